@@ -1,0 +1,82 @@
+"""`alignflow` command line."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from alignflow.config import ConfigError, Stage, dump_config, load_config
+
+app = typer.Typer(no_args_is_help=True, add_completion=False, help="alignflow: end-to-end LLM alignment pipelines.")
+config_app = typer.Typer(no_args_is_help=True, help="Inspect configs.")
+app.add_typer(config_app, name="config")
+
+ConfigOpt = Annotated[Path, typer.Option("--config", "-c", help="pipeline config YAML")]
+SetOpt = Annotated[Optional[list[str]], typer.Option("--set", help="override KEY=VALUE, e.g. sft.optim.lr=1e-4")]
+
+
+def _load(config: Path, overrides: list[str] | None):
+    try:
+        return load_config(config, overrides or [])
+    except ConfigError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+
+
+@app.command()
+def stage(
+    name: Annotated[Stage, typer.Argument(help="stage to run")],
+    config: ConfigOpt,
+    overrides: SetOpt = None,
+    output: Annotated[Optional[str], typer.Option(help="publish here instead of the cache-keyed stage folder")] = None,
+    nproc: Annotated[int, typer.Option(help="worker processes on this machine (torchrun)")] = 1,
+    summary_json: Annotated[Optional[Path], typer.Option(help="write the stage summary as JSON here")] = None,
+) -> None:
+    """Run one stage by hand, exactly as it runs inside a Ray job."""
+    _load(config, overrides)  # fail on a bad config before any process starts
+    args = ["--config", str(config), *[a for o in overrides or [] for a in ("--set", o)]]
+    args += ["--output", output] if output else []
+    args += ["--summary-json", str(summary_json)] if summary_json else []
+    if nproc > 1:
+        torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or "torchrun"
+        cmd = [torchrun, f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1", "-m", name.module, *args]
+        os.execv(cmd[0], cmd)
+    from importlib import import_module
+
+    from alignflow.stages.common.entry import run_stage_cli
+
+    main = import_module(f"{name.module}.stage").main
+    raise typer.Exit(run_stage_cli(main, name.value, args))
+
+
+@config_app.command("show")
+def config_show(config: ConfigOpt, overrides: SetOpt = None) -> None:
+    """Print the resolved config and its hashes."""
+    cfg = _load(config, overrides)
+    typer.echo(dump_config(cfg))
+    typer.echo(f"# pipeline config hash: {cfg.config_hash()}")
+    for s in Stage:
+        section = getattr(cfg, s.value)
+        if section is not None:
+            typer.echo(f"# {s.value} config hash: {section.config_hash()}")
+
+
+@app.command("build-model")
+def build_model(name: Annotated[str, typer.Argument(help="builtin:tiny or builtin:small")] = "builtin:tiny") -> None:
+    """Build a built-in base model into the local cache and print its folder."""
+    from alignflow.stages.common.builtin_model import resolve_builtin
+
+    try:
+        typer.echo(resolve_builtin(name))
+    except ValueError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+
+
+if __name__ == "__main__":
+    app()

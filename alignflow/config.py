@@ -1,0 +1,295 @@
+"""Typed configuration: one model per stage, shared parts by composition.
+
+A config is parsed once (YAML + `--set` overrides), validated, and then frozen:
+derived values live in locals of the code that needs them. Errors name the
+file, the line (when the value came from YAML), the field path and the value.
+
+`config_hash()` covers only the fields that change a stage's result: fields
+marked `result=False` (run names, logging and checkpoint cadence, where the
+output goes) are left out, and so are data paths, whose content enters the
+cache key as a fingerprint instead (see `stages.common.data.fingerprint`).
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+NOT_RESULT = {"result": False}  # json_schema_extra marker: field left out of config_hash()
+DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
+
+
+class ConfigError(ValueError):
+    """A config that cannot be used, with where and why."""
+
+
+class Frozen(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, use_enum_values=False)
+
+
+# --------------------------------------------------------------------------- shared parts
+
+
+class ModelConfig(Frozen):
+    name_or_path: str = Field("builtin:tiny", description="`builtin:tiny`, `builtin:small`, a local HF folder, or a hub name.")
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="Dtype the weights are loaded and trained in.")
+    attn_implementation: Literal["sdpa", "eager"] = "sdpa"
+    gradient_checkpointing: bool = False
+
+
+class DataConfig(Frozen):
+    path: str = Field(..., description="JSONL/Parquet file, a local HF dataset folder, or a `datasets` name.", json_schema_extra=NOT_RESULT)
+    split: str = "train"
+    input_key: str = Field("prompt", description="Prompt column (input/output format).")
+    output_key: str = Field("response", description="Response column (input/output format).")
+    messages_key: str | None = Field(None, description="Column with a chat `messages` list; overrides input/output keys.")
+    eval_path: str | None = Field(None, description="Held-out file; without it `eval_fraction` of the rows is held out.", json_schema_extra=NOT_RESULT)
+    eval_fraction: float = Field(0.05, ge=0.0, lt=1.0)
+    max_len: int = Field(128, ge=8, description="Tokens per sample (or per packed row); longer responses are truncated.")
+    packing: bool = Field(False, description="Pack samples into rows of max_len; attention is block-diagonal per sample.")
+    on_bad_row: Literal["error", "skip"] = Field("error", description="Bad rows stop the run, or are skipped and counted.")
+    max_samples: int | None = Field(None, ge=1)
+
+    @field_validator("path", "eval_path")
+    @classmethod
+    def _local_paths_exist(cls, v: str | None) -> str | None:
+        # A relative local path is made absolute here, at parse time, so the resolved
+        # config travels to a Ray job unchanged; a missing file fails before any work.
+        if v is None or "://" in v:
+            return v
+        p = Path(v).expanduser()
+        if p.exists():
+            return str(p.resolve())
+        if p.suffix in DATA_SUFFIXES or v.startswith((".", "/", "~")):
+            raise ValueError(f"data file not found: {v!r} (relative paths are resolved against {Path.cwd()})")
+        return v  # a `datasets` hub name
+
+
+class OptimConfig(Frozen):
+    lr: float = Field(1e-3, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = Field(1e-8, gt=0)
+    scheduler: Literal["cosine", "constant"] = "cosine"
+    warmup_steps: int = Field(0, ge=0)
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    grad_clip: float = Field(1.0, ge=0, description="Max global grad norm; 0 disables clipping.")
+
+
+class BatchConfig(Frozen):
+    global_batch_size: int = Field(32, ge=1, description="Samples (or packed rows) per optimizer step, over all workers.")
+    micro_batch_size: int = Field(8, ge=1, description="Samples per forward/backward on one worker.")
+    epochs: int = Field(1, ge=1)
+    max_steps: int | None = Field(None, ge=1, description="Stop after this many optimizer steps (caps epochs).")
+    seed: int = 42
+
+
+class DeepSpeedConfig(Frozen):
+    zero_stage: Literal[0, 1, 2, 3] = 0
+    offload_optimizer: bool = False
+    precision: Literal["fp32", "bf16"] = "fp32"
+
+
+class CheckpointConfig(Frozen):
+    every_steps: int = Field(50, ge=1, json_schema_extra=NOT_RESULT)
+    keep_last: int = Field(2, ge=1, json_schema_extra=NOT_RESULT)
+
+
+class LoggingConfig(Frozen):
+    log_every: int = Field(10, ge=1, json_schema_extra=NOT_RESULT)
+    eval_every: int = Field(50, ge=1, json_schema_extra=NOT_RESULT)
+    progress: bool = Field(True, json_schema_extra=NOT_RESULT)
+
+
+class StorageConfig(Frozen):
+    root: str = Field("./outputs", description="Local folder or `s3://bucket/prefix` where stages publish.")
+
+    @field_validator("root")
+    @classmethod
+    def _absolute_local_root(cls, v: str) -> str:
+        return v if "://" in v else str(Path(v).expanduser().resolve())
+
+
+# --------------------------------------------------------------------------- stages
+
+
+class Stage(str, enum.Enum):
+    SFT = "sft"
+
+    @property
+    def module(self) -> str:
+        return f"alignflow.stages.{self.value}"
+
+
+class SFTConfig(Frozen):
+    model: ModelConfig = ModelConfig()
+    data: DataConfig
+    optim: OptimConfig = OptimConfig()
+    batch: BatchConfig = BatchConfig()
+    deepspeed: DeepSpeedConfig = DeepSpeedConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    logging: LoggingConfig = LoggingConfig()
+
+    @model_validator(mode="after")
+    def _batch_divides(self) -> "SFTConfig":
+        if self.batch.global_batch_size % self.batch.micro_batch_size:
+            raise ValueError(
+                f"batch.global_batch_size ({self.batch.global_batch_size}) must be a multiple of "
+                f"batch.micro_batch_size ({self.batch.micro_batch_size})"
+            )
+        return self
+
+    def config_hash(self) -> str:
+        return stable_hash(result_fields(self))
+
+
+class PipelineConfig(Frozen):
+    name: str = Field("alignment", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", json_schema_extra=NOT_RESULT)
+    storage: StorageConfig = Field(default_factory=StorageConfig, json_schema_extra=NOT_RESULT)
+    sft: SFTConfig | None = None
+
+    def stage(self, stage: Stage) -> Any:
+        section = getattr(self, stage.value)
+        if section is None:
+            raise ConfigError(f"the config has no `{stage.value}` section, which stage {stage.value!r} needs")
+        return section
+
+    def config_hash(self) -> str:
+        return stable_hash(result_fields(self))
+
+
+# --------------------------------------------------------------------------- hashing
+
+
+def result_fields(model: BaseModel) -> dict[str, Any]:
+    """The model as plain JSON data, without the fields marked `result=False`."""
+    out: dict[str, Any] = {}
+    for name, field in type(model).model_fields.items():
+        extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
+        if extra.get("result") is False:
+            continue
+        value = getattr(model, name)
+        out[name] = result_fields(value) if isinstance(value, BaseModel) else _plain(value)
+    return out
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    return value
+
+
+def stable_hash(data: Any) -> str:
+    """sha256 of canonical JSON: sorted keys, no whitespace, floats as repr."""
+    blob = json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """`a.b.c=value` -> (["a","b","c"], value parsed as YAML)."""
+    key, sep, raw = item.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"override {item!r} is not of the form key.path=value")
+    value = yaml.safe_load(raw) if raw.strip() else None
+    if isinstance(value, str):
+        try:
+            value = float(value)  # YAML 1.1 reads `1e-4` as a string
+        except ValueError:
+            pass
+    return key.strip().split("."), value
+
+
+def apply_overrides(raw: dict, overrides: list[str]) -> dict:
+    """A new dict with overrides applied; the input is left untouched."""
+    data = json.loads(json.dumps(raw))
+    for item in overrides:
+        path, value = parse_override(item)
+        node = data
+        for part in path[:-1]:
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                raise ConfigError(f"override {item!r}: {part!r} is a value, not a section")
+            node = child
+        node[path[-1]] = value
+    return data
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None) -> PipelineConfig:
+    path = Path(path)
+    if not path.exists():
+        raise ConfigError(f"config file not found: {path}")
+    text = path.read_text()
+    try:
+        raw = yaml.safe_load(text) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping, got {type(raw).__name__}")
+    data = apply_overrides(raw, overrides or [])
+    try:
+        return PipelineConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(format_validation_error(exc, str(path), _yaml_lines(text), overrides or [])) from None
+
+
+def format_validation_error(exc: ValidationError, source: str, lines: dict[tuple, int], overrides: list[str]) -> str:
+    msgs = []
+    overridden = {tuple(parse_override(o)[0]): o for o in overrides}
+    for err in exc.errors():
+        loc = tuple(str(p) for p in err["loc"])
+        field = ".".join(loc) or "<root>"
+        where = source
+        from_override = [o for path, o in overridden.items() if path[: len(loc)] == loc or loc[: len(path)] == path]
+        if from_override:
+            where = f"--set {from_override[-1]}"
+        else:
+            for n in range(len(loc), 0, -1):  # nearest enclosing key that has a line
+                if loc[:n] in lines:
+                    where = f"{source}:{lines[loc[:n]]}"
+                    break
+        value = err.get("input")
+        shown = "" if err["type"] == "missing" else f" (got {value!r})"
+        msgs.append(f"{where}: {field}: {err['msg']}{shown}")
+    return "invalid config:\n  " + "\n  ".join(msgs)
+
+
+def _yaml_lines(text: str) -> dict[tuple, int]:
+    """Map each key path in a YAML document to its 1-based line number."""
+    out: dict[tuple, int] = {}
+    try:
+        root = yaml.compose(text)
+    except yaml.YAMLError:
+        return out
+
+    def walk(node: Any, prefix: tuple) -> None:
+        if isinstance(node, yaml.MappingNode):
+            for k, v in node.value:
+                key = prefix + (str(k.value),)
+                out[key] = k.start_mark.line + 1
+                walk(v, key)
+        elif isinstance(node, yaml.SequenceNode):
+            for i, v in enumerate(node.value):
+                out[prefix + (str(i),)] = v.start_mark.line + 1
+                walk(v, prefix + (str(i),))
+
+    walk(root, ())
+    return out
+
+
+def dump_config(cfg: BaseModel) -> str:
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)

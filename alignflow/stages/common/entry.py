@@ -1,0 +1,30 @@
+"""The command line every stage module shares: `python -m alignflow.stages.<stage> --config FILE`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any, Callable
+
+from alignflow.config import ConfigError, PipelineConfig, load_config
+from alignflow.stages.common.data import DataError
+
+
+def run_stage_cli(main: Callable[[PipelineConfig, str | None], dict[str, Any]], stage: str, argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog=f"python -m alignflow.stages.{stage}")
+    parser.add_argument("--config", required=True, help="pipeline config YAML")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="override, e.g. sft.optim.lr=1e-4")
+    parser.add_argument("--output", default=None, help="publish here instead of {storage.root}/{name}/{stage}/{cache_key}")
+    parser.add_argument("--summary-json", default=None, help="write the stage summary as JSON to this path")
+    args = parser.parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+        summary = main(cfg, args.output)
+    except (ConfigError, DataError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.summary_json:
+        with open(args.summary_json, "w") as f:
+            json.dump(summary, f, indent=2)
+    return 0

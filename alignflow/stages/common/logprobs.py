@@ -1,0 +1,19 @@
+"""Token log-probabilities: the one quantity every loss in alignflow starts from. Pure torch."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    """log p(input_ids[:, t+1] | input_ids[:, :t+1]) for t in [0, T-1).
+
+    logits: (B, T, V) from a causal LM over input_ids (B, T). Returns (B, T-1), in fp32.
+    Uses cross_entropy, which never materialises a full (B, T, V) log-softmax copy in fp32
+    beyond what it needs for the gather.
+    """
+    logits = logits[:, :-1].float()
+    targets = input_ids[:, 1:]
+    nll = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), reduction="none")
+    return -nll.view_as(targets)

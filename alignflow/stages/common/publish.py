@@ -1,0 +1,87 @@
+"""Publishing a stage result: HF model, config, metrics, model card, then the manifest last.
+
+Layout under `{storage_root}/{pipeline}/{stage}/{cache_key}/`:
+`model/` (safetensors, config.json, tokenizer, generation_config.json),
+`config.yaml`, `metrics.json`, `MODEL_CARD.md`, `checkpoints/`, `MANIFEST.json`.
+The manifest covers everything but `checkpoints/`, which has manifests of its own.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+from alignflow.infra import manifest, storage
+from alignflow.stages.common.strategy import Strategy
+
+
+def save_hf_model(strategy: Strategy, tokenizer, folder: Path) -> None:
+    """Gather full weights (ZeRO-3 included) and write an HF folder on rank 0."""
+    state = strategy.full_state_dict()
+    if not strategy.is_main:
+        return
+    if folder.exists():
+        shutil.rmtree(folder)
+    model = strategy.unwrap()
+    model.config.use_cache = True  # the published model is for inference
+    model.save_pretrained(folder, state_dict=state, safe_serialization=True)
+    tokenizer.save_pretrained(folder)
+
+
+def publish(
+    strategy: Strategy,
+    tokenizer,
+    stage_uri: str,
+    staging: Path,
+    files: dict[str, str],
+    meta: dict[str, Any],
+) -> manifest.Manifest | None:
+    """Write model/ plus the given text files, upload when remote, and write MANIFEST.json last.
+
+    Returns the manifest on rank 0 and None on other ranks.
+    """
+    local = storage.local_path(stage_uri) if storage.is_local(stage_uri) else staging / "publish"
+    local.mkdir(parents=True, exist_ok=True)
+    save_hf_model(strategy, tokenizer, local / "model")
+    result = None
+    if strategy.is_main:
+        for name, text in files.items():
+            (local / name).write_text(text)
+        if not storage.is_local(stage_uri):
+            storage.upload_dir(local, stage_uri)
+        result = manifest.write_manifest(stage_uri, exclude=("checkpoints/",), **meta)
+    strategy.barrier()
+    return result
+
+
+def model_card(stage: str, base_model: str, data: dict[str, str], config_hash: str, cache_key: str, metrics: dict[str, float]) -> str:
+    lines = [
+        f"# alignflow {stage} model",
+        "",
+        f"- base model: `{base_model}`",
+        f"- stage config hash: `{config_hash}`",
+        f"- cache key: `{cache_key}`",
+        "- data:",
+        *[f"  - `{src}` (sha256 `{fp[:16]}…`)" for src, fp in data.items()],
+        "",
+        "## Metrics",
+        "",
+        "| metric | value |",
+        "|---|---|",
+        *[f"| {k} | {v:.6g} |" for k, v in sorted(metrics.items())],
+        "",
+        "## Use",
+        "",
+        "```python",
+        "from transformers import AutoModelForCausalLM, AutoTokenizer",
+        'model = AutoModelForCausalLM.from_pretrained("<this folder>/model")',
+        'tokenizer = AutoTokenizer.from_pretrained("<this folder>/model")',
+        "```",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def metrics_json(history: list[dict[str, float]], summary: dict[str, float], extra: dict[str, Any]) -> str:
+    return json.dumps({"summary": summary, "history": history, **extra}, indent=2)

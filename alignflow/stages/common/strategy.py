@@ -1,0 +1,214 @@
+"""The one seam to DeepSpeed and torch.distributed.
+
+Everything distributed goes through here: process-group init (gloo on CPU, nccl
+on GPU), wrapping model/optimizer/scheduler in a DeepSpeed engine (ZeRO 0/2/3,
+optimizer offload, bf16/fp32, accumulation, clipping), backward/step, metric
+all-reduce, step checkpoints, and gathering full weights for an HF save.
+Nothing else in alignflow imports deepspeed.
+
+Process layout comes from the usual env vars (RANK, WORLD_SIZE, LOCAL_RANK,
+MASTER_ADDR, MASTER_PORT) as set by torchrun, Ray worker groups or by hand; a
+plain single process needs none of them.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+from contextlib import contextmanager, nullcontext
+from typing import Any, Iterator
+
+import torch
+
+from alignflow.config import BatchConfig, DeepSpeedConfig, OptimConfig
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # must be set before deepspeed is imported
+
+import deepspeed  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def lr_lambda(optim: OptimConfig, total_steps: int):
+    """Linear warmup, then cosine decay to min_lr_ratio (or constant)."""
+
+    def factor(step: int) -> float:
+        if optim.warmup_steps and step < optim.warmup_steps:
+            return (step + 1) / optim.warmup_steps
+        if optim.scheduler == "constant":
+            return 1.0
+        span = max(1, total_steps - optim.warmup_steps)
+        progress = min(1.0, (step - optim.warmup_steps) / span)
+        return optim.min_lr_ratio + (1 - optim.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return factor
+
+
+class Strategy:
+    """Holds the process group facts and, after `prepare`, the DeepSpeed engine."""
+
+    def __init__(self, ds: DeepSpeedConfig, batch: BatchConfig, optim: OptimConfig):
+        self.ds, self.batch, self.optim = ds, batch, optim
+        self.engine = None
+        self._hf_ds_config = None
+        self._grad_norm = float("nan")
+        self._init_process_group()
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
+        per_step = batch.global_batch_size
+        if per_step % (batch.micro_batch_size * self.world_size):
+            raise ValueError(
+                f"batch.global_batch_size={per_step} is not a multiple of micro_batch_size "
+                f"({batch.micro_batch_size}) x workers ({self.world_size})"
+            )
+        self.grad_accum = per_step // (batch.micro_batch_size * self.world_size)
+        if torch.cuda.is_available():
+            torch.cuda.set_device(self.device)
+        else:
+            # Several workers on a few cores oversubscribe badly without this.
+            torch.set_num_threads(max(1, int(os.environ.get("ALIGNFLOW_NUM_THREADS", os.cpu_count() or 1)) // self.world_size))
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def _init_process_group(self) -> None:
+        if dist.is_initialized():
+            return
+        if "RANK" not in os.environ:
+            os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False)
+
+    def ds_config(self) -> dict[str, Any]:
+        zero: dict[str, Any] = {"stage": self.ds.zero_stage}
+        if self.ds.offload_optimizer:
+            zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+        if self.ds.zero_stage == 3:
+            zero["stage3_gather_16bit_weights_on_model_save"] = False
+        return {
+            "train_batch_size": self.batch.global_batch_size,
+            "train_micro_batch_size_per_gpu": self.batch.micro_batch_size,
+            "gradient_accumulation_steps": self.grad_accum,
+            "gradient_clipping": self.optim.grad_clip,
+            "zero_optimization": zero,
+            "bf16": {"enabled": self.ds.precision == "bf16"},
+            "zero_allow_untested_optimizer": True,
+            "zero_force_ds_cpu_optimizer": False,
+            "steps_per_print": 10**9,
+            "wall_clock_breakdown": False,
+        }
+
+    @contextmanager
+    def model_init(self) -> Iterator[None]:
+        """Context for building the model: under ZeRO-3, weights are partitioned as they load."""
+        if self.ds.zero_stage != 3:
+            yield
+            return
+        from transformers.integrations import HfDeepSpeedConfig
+
+        self._hf_ds_config = HfDeepSpeedConfig(self.ds_config())  # transformers reads it while it stays alive
+        yield
+
+    def prepare(self, model: torch.nn.Module, total_steps: int) -> Any:
+        params = [p for p in model.parameters() if p.requires_grad]
+        decay = [p for p in params if p.ndim >= 2]
+        no_decay = [p for p in params if p.ndim < 2]
+        groups = [{"params": decay, "weight_decay": self.optim.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        kwargs = dict(lr=self.optim.lr, betas=self.optim.betas, eps=self.optim.eps)
+        if self.ds.offload_optimizer:
+            from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+            optimizer = DeepSpeedCPUAdam(groups, adamw_mode=True, **kwargs)
+        else:
+            optimizer = torch.optim.AdamW(groups, **kwargs)
+        # The scheduler is built on the optimizer DeepSpeed hands back: ZeRO-3 regroups parameters.
+        schedule = lr_lambda(self.optim, total_steps)
+        make_scheduler = lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, schedule)  # noqa: E731
+        self.engine, _, _, _ = deepspeed.initialize(
+            model=model, optimizer=optimizer, lr_scheduler=make_scheduler, config=self.ds_config(), dist_init_required=False
+        )
+        return self.engine
+
+    # ---------------------------------------------------------------- training step
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """`loss` must be this micro-batch's share of the step objective (it sums to the objective
+        over all micro-batches of all ranks). DeepSpeed divides by the accumulation steps and
+        averages over ranks; scaling by both undoes that, so the step gradient is exact."""
+        self.engine.backward(loss * (self.grad_accum * self.world_size))
+
+    def step(self) -> None:
+        if self.ds.zero_stage == 0 and self.engine.is_gradient_accumulation_boundary():
+            # ZeRO-0 does not record the norm; grads are already all-reduced here, before clipping.
+            grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None]
+            self._grad_norm = float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
+        self.engine.step()
+
+    def grad_norm(self) -> float:
+        """Global gradient norm of the last optimizer step, before clipping."""
+        if self.ds.zero_stage == 0:
+            return self._grad_norm
+        norm = self.engine.get_global_grad_norm()
+        return float(norm) if norm is not None else float("nan")
+
+    def lr(self) -> float:
+        return float(self.engine.get_lr()[0])
+
+    def all_reduce_sum(self, values: list[float]) -> list[float]:
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        if self.world_size > 1:
+            dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        return t.tolist()
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            dist.barrier()
+
+    def broadcast_object(self, obj: Any) -> Any:
+        box = [obj]
+        if self.world_size > 1:
+            dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    # ---------------------------------------------------------------- checkpoints and weights
+
+    def save_checkpoint(self, folder: str, tag: str, client_state: dict[str, Any]) -> None:
+        self.engine.save_checkpoint(folder, tag=tag, client_state=client_state, save_latest=False)
+
+    def load_checkpoint(self, folder: str, tag: str) -> dict[str, Any]:
+        path, client_state = self.engine.load_checkpoint(folder, tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True)
+        if path is None:
+            raise RuntimeError(f"DeepSpeed could not load checkpoint {tag!r} from {folder}")
+        return client_state
+
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """Full fp32/bf16 weights on rank 0 (gathered under ZeRO-3, one tensor at a time); None elsewhere."""
+        module = self.engine.module
+        out: dict[str, torch.Tensor] = {}
+        for name, param in module.named_parameters():
+            gather = deepspeed.zero.GatheredParameters([param], modifier_rank=None) if hasattr(param, "ds_id") else nullcontext()
+            with gather:
+                if self.is_main:
+                    out[name] = param.detach().to("cpu", copy=True)
+        if self.is_main:
+            persistent = set(module.state_dict().keys())  # skips non-persistent buffers such as rotary inv_freq
+            for name, buf in module.named_buffers():
+                if name in persistent:
+                    out.setdefault(name, buf.detach().to("cpu", copy=True))
+        return out if self.is_main else None
+
+    def unwrap(self) -> torch.nn.Module:
+        return self.engine.module
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()

@@ -1,0 +1,74 @@
+"""SFT rows -> samples: input/output keys, or a chat `messages` list.
+
+Prompt tokens get loss_mask 0; response tokens (and the EOS that ends each
+response) get 1. With `messages`, every assistant turn is a response and every
+other turn is prompt. Segments are tokenized separately and concatenated, so a
+token boundary never straddles prompt and response.
+"""
+
+from __future__ import annotations
+
+from alignflow.config import DataConfig
+from alignflow.stages.common.data import (
+    DataError, RowStats, Sample, chat_prompt_text, collect, encode, read_rows, require_str, split_holdout,
+)
+
+
+def input_output_sample(row: dict, where: str, tokenizer, cfg: DataConfig) -> Sample:
+    prompt = require_str(row, cfg.input_key, where)
+    response = require_str(row, cfg.output_key, where)
+    segments = [(chat_prompt_text(tokenizer, prompt), 0), (response + tokenizer.eos_token, 1)]
+    return _sample(segments, where, tokenizer, cfg.max_len)
+
+
+def messages_sample(row: dict, where: str, tokenizer, cfg: DataConfig) -> Sample:
+    if not isinstance(row, dict) or cfg.messages_key not in row:
+        raise DataError(f"{where}: missing key {cfg.messages_key!r}")
+    messages = row[cfg.messages_key]
+    if not isinstance(messages, list) or not all(isinstance(m, dict) and isinstance(m.get("content"), str) and "role" in m for m in messages):
+        raise DataError(f"{where}: {cfg.messages_key!r} must be a list of {{role, content}} objects")
+    if not tokenizer.chat_template:
+        raise DataError(f"{where}: `messages` rows need a tokenizer with a chat template")
+    turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    if not turns or any(not messages[i]["content"].strip() for i in turns):
+        raise DataError(f"{where}: empty response (no non-empty assistant message)")
+    segments, done = [], ""
+    for i in turns:
+        before = tokenizer.apply_chat_template(messages[:i], add_generation_prompt=True, tokenize=False)
+        after = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False)
+        if not (before.startswith(done) and after.startswith(before)):
+            raise DataError(f"{where}: the chat template does not render turns as prefixes of each other")
+        segments += [(before[len(done):], 0), (after[len(before):], 1)]
+        done = after
+    return _sample(segments, where, tokenizer, cfg.max_len)
+
+
+def _sample(segments: list[tuple[str, int]], where: str, tokenizer, max_len: int) -> Sample:
+    ids: list[int] = []
+    mask: list[int] = []
+    for text, trainable in segments:
+        piece = encode(tokenizer, text)
+        ids += piece
+        mask += [trainable] * len(piece)
+    first_response = mask.index(1)
+    if first_response >= max_len:
+        raise DataError(f"{where}: prompt is {first_response} tokens, not shorter than data.max_len={max_len}")
+    return Sample(ids[:max_len], mask[:max_len])  # truncation cuts the response, never the prompt
+
+
+def load_sft_samples(cfg: DataConfig, tokenizer, seed: int) -> tuple[list[Sample], list[Sample], dict]:
+    """Train and held-out samples, with row statistics. An empty train set is an error."""
+    build = messages_sample if cfg.messages_key else input_output_sample
+    make = lambda where, row: build(row, where, tokenizer, cfg)  # noqa: E731
+    stats = RowStats()
+    samples = collect(read_rows(cfg.path, cfg.split), make, cfg.on_bad_row, stats, cfg.max_samples)
+    if not samples:
+        raise DataError(f"{cfg.path}: no usable rows ({stats.read} read, skipped: {dict(stats.skipped) or 'none'})")
+    eval_stats = RowStats()
+    if cfg.eval_path:
+        train, held = samples, collect(read_rows(cfg.eval_path, cfg.split), make, cfg.on_bad_row, eval_stats)
+    else:
+        train, held = split_holdout(samples, cfg.eval_fraction, seed)
+    if not train:
+        raise DataError(f"{cfg.path}: no training rows left after holding out eval_fraction={cfg.eval_fraction}")
+    return train, held, {"train": stats.as_dict(), "eval": eval_stats.as_dict()}

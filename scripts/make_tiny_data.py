@@ -1,0 +1,104 @@
+"""Write the tiny datasets in data/ (deterministic: the same files every run).
+
+Two tasks with checkable answers that a sub-1M-parameter model learns on a CPU
+in minutes: `37+05` -> `42` (addition of two zero-padded two-digit numbers) and
+`rev kdfa` -> `afdk` (reverse a four-letter word). Fixed-width prompts put every
+input character at a fixed offset from the answer, which is what lets a tiny
+model learn them from a few thousand examples. Every split uses its own prompts, so held-out numbers are
+honest. Run: `python scripts/make_tiny_data.py` (then commit data/).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+OUT = Path(__file__).resolve().parent.parent / "data"
+LETTERS = "abcdefghijklmnopqrstuvwxyz"
+
+
+def addition_prompts(rng: random.Random) -> list[tuple[str, str]]:
+    pairs = [(a, b) for a in range(100) for b in range(100)]
+    rng.shuffle(pairs)
+    return [(f"{a:02d}+{b:02d}", str(a + b)) for a, b in pairs]
+
+
+def reverse_prompts(rng: random.Random, n: int) -> list[tuple[str, str]]:
+    seen: set[str] = set()
+    out = []
+    while len(out) < n:
+        word = "".join(rng.choice(LETTERS) for _ in range(4))
+        if word not in seen:
+            seen.add(word)
+            out.append((f"rev {word}", word[::-1]))
+    return out
+
+
+def wrong_answer(prompt: str, answer: str, rng: random.Random) -> str:
+    """A plausible but wrong answer: a slipped units digit, or a word not (fully) reversed."""
+    if prompt.startswith("rev "):
+        word = prompt[4:]
+        if rng.random() < 0.5 or len(set(word)) == 1:
+            return word if word != answer else word + rng.choice(LETTERS)
+        chars = list(answer)
+        i = rng.randrange(len(chars) - 1)
+        chars[i], chars[i + 1] = chars[i + 1], chars[i]
+        wrong = "".join(chars)
+        return wrong if wrong != answer else answer + rng.choice(LETTERS)
+    value = int(answer) + rng.choice([-2, -1, 1, 2])
+    return str(abs(value) if value != int(answer) else value + 1)
+
+
+def write(name: str, rows: list[dict]) -> None:
+    path = OUT / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    print(f"{path.relative_to(OUT.parent)}: {len(rows)} rows")
+
+
+def interleave(a: list, b: list) -> list:
+    out = []
+    for x, y in zip(a, b):
+        out += [x, y]
+    return out
+
+
+def main() -> None:
+    rng = random.Random(1234)
+    add = addition_prompts(rng)
+    rev = reverse_prompts(rng, 6000)
+    # Disjoint prompt pools per dataset and split.
+    pools = {}
+    sizes = {"sft_train": 2000, "sft_eval": 100, "pref_train": 1000, "pref_eval": 100,
+             "kto_train": 1000, "kto_eval": 100, "rl_train": 1000, "rl_eval": 100, "chat": 150}
+    offset = 0
+    for name, n in sizes.items():
+        pools[name] = interleave(add[offset:offset + n], rev[offset:offset + n])
+        offset += n
+
+    write("sft/train.jsonl", [{"prompt": p, "response": r} for p, r in pools["sft_train"]])
+    write("sft/eval.jsonl", [{"prompt": p, "response": r} for p, r in pools["sft_eval"]])
+    chat = pools["chat"]
+    write("sft/chat.jsonl", [
+        {"messages": [{"role": "system", "content": "Answer briefly."},
+                      {"role": "user", "content": p1}, {"role": "assistant", "content": r1},
+                      {"role": "user", "content": p2}, {"role": "assistant", "content": r2}]}
+        for (p1, r1), (p2, r2) in zip(chat[0::2], chat[1::2])
+    ])
+    for split in ("train", "eval"):
+        write(f"preference/{split}.jsonl", [
+            {"prompt": p, "chosen": r, "rejected": wrong_answer(p, r, rng)} for p, r in pools[f"pref_{split}"]
+        ])
+        kto_rows = []
+        for i, (p, r) in enumerate(pools[f"kto_{split}"]):
+            good = i % 4 != 3  # 3 desirable : 1 undesirable, the imbalance KTO is built for
+            kto_rows.append({"prompt": p, "completion": r if good else wrong_answer(p, r, rng), "label": good})
+        write(f"kto/{split}.jsonl", kto_rows)
+        write(f"rl/{split}.jsonl", [{"prompt": p, "answer": r} for p, r in pools[f"rl_{split}"]])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,32 @@
+"""Bad input is reported by the command line before any training starts."""
+
+import subprocess
+import sys
+
+from .conftest import ROOT
+
+
+def run(*args, cwd=ROOT):
+    return subprocess.run([sys.executable, "-m", "alignflow.cli", *args], cwd=cwd, capture_output=True, text=True, timeout=300)
+
+
+def test_bad_config_value_exits_2_naming_the_field(tmp_path):
+    proc = run("stage", "sft", "--config", "configs/tiny.yaml", "--set", "sft.optim.lr=-1")
+    assert proc.returncode == 2
+    assert "--set sft.optim.lr=-1: sft.optim.lr: Input should be greater than 0 (got -1" in proc.stderr
+
+
+def test_bad_data_row_exits_2_naming_file_and_line(tmp_path):
+    data = tmp_path / "bad.jsonl"
+    data.write_text('{"prompt": "1+1", "response": "2"}\n{"prompt": "2+2"}\n')
+    proc = run("stage", "sft", "--config", "configs/tiny.yaml", "--set", f"sft.data.path={data}", "--set", f"storage.root={tmp_path}")
+    assert proc.returncode == 2
+    assert f"{data}:2: missing key 'response'" in proc.stderr
+    assert '"step"' not in proc.stdout and not (tmp_path / "tiny").exists()
+
+
+def test_too_few_rows_for_one_batch(tmp_path):
+    data = tmp_path / "small.jsonl"
+    data.write_text('{"prompt": "1+1", "response": "2"}\n' * 3)
+    proc = run("stage", "sft", "--config", "configs/tiny.yaml", "--set", f"sft.data.path={data}", "--set", f"storage.root={tmp_path}")
+    assert proc.returncode == 2 and "only 3 training samples" in proc.stderr

@@ -1,0 +1,26 @@
+import hashlib
+from pathlib import Path
+
+from alignflow.stages.common.builtin_model import BUILTINS, build_builtin, resolve_builtin
+
+
+def test_builtin_is_deterministic(tmp_path, tiny_model_path):
+    build_builtin(BUILTINS["tiny"], tmp_path)
+    sha = lambda p: hashlib.sha256(Path(p).read_bytes()).hexdigest()  # noqa: E731
+    assert sha(tmp_path / "model.safetensors") == sha(Path(tiny_model_path) / "model.safetensors")
+
+
+def test_tokenizer_round_trips_text_and_has_chat_template(tokenizer):
+    text = "rev Hello, World!\n 12+34=46"
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert len(ids) == len(text) and tokenizer.decode(ids) == text
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": "1+1"}], add_generation_prompt=True, tokenize=False)
+    assert rendered == "<bos><|user|>1+1<|end|><|assistant|>"
+    assert tokenizer.eos_token == "<|end|>" and tokenizer.pad_token_id != tokenizer.eos_token_id
+
+
+def test_unknown_builtin_names_the_choices():
+    import pytest
+
+    with pytest.raises(ValueError, match="builtin:tiny, builtin:small"):
+        resolve_builtin("builtin:huge")

@@ -1,0 +1,118 @@
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from alignflow.config import ConfigError, PipelineConfig, apply_overrides, load_config
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "cfg.yaml"
+    path.write_text(text)
+    return path
+
+
+BASE = f"""\
+name: t
+sft:
+  data:
+    path: {ROOT}/data/sft/train.jsonl
+  optim:
+    lr: 1.0e-3
+"""
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_config_loads(path, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    cfg = load_config(path)
+    assert cfg.sft is not None
+    assert len(cfg.sft.config_hash()) == 64
+
+
+def test_hash_is_stable_across_processes(tmp_path):
+    path = write(tmp_path, BASE)
+    here = load_config(path).sft.config_hash()
+    code = f"from alignflow.config import load_config; print(load_config({str(path)!r}).sft.config_hash())"
+    there = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert here == there
+
+
+def test_hash_changes_with_result_fields_only(tmp_path):
+    path = write(tmp_path, BASE)
+    base = load_config(path).sft.config_hash()
+    assert load_config(path, ["sft.optim.lr=2e-3"]).sft.config_hash() != base
+    assert load_config(path, ["sft.data.max_len=64"]).sft.config_hash() != base
+    assert load_config(path, ["sft.batch.seed=7"]).sft.config_hash() != base
+    # Names, logging, checkpoint cadence and where things are stored do not change the result.
+    for same in ["name=other", "sft.logging.log_every=3", "sft.checkpoint.every_steps=7",
+                 f"storage.root={tmp_path}/elsewhere", f"sft.data.eval_path={ROOT}/data/sft/eval.jsonl"]:
+        assert load_config(path, [same]).sft.config_hash() == base, same
+
+
+def test_overrides_parse_yaml_values_and_leave_input_alone():
+    raw = {"sft": {"optim": {"lr": 1.0}}}
+    out = apply_overrides(raw, ["sft.optim.lr=1e-4", "sft.batch.epochs=3", "sft.data.packing=true"])
+    assert out["sft"]["optim"]["lr"] == 1e-4 and out["sft"]["batch"]["epochs"] == 3 and out["sft"]["data"]["packing"] is True
+    assert raw == {"sft": {"optim": {"lr": 1.0}}}
+
+
+def test_config_is_frozen(tmp_path):
+    cfg = load_config(write(tmp_path, BASE))
+    with pytest.raises(Exception):
+        cfg.sft.optim.lr = 5.0
+
+
+def test_error_names_file_line_field_and_value(tmp_path):
+    path = write(tmp_path, BASE.replace("lr: 1.0e-3", "lr: -1"))
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    msg = str(err.value)
+    assert f"{path}:6" in msg and "sft.optim.lr" in msg and "greater than 0" in msg and "-1" in msg
+
+
+def test_error_for_unknown_field_and_bad_choice(tmp_path):
+    path = write(tmp_path, BASE + "  deepspeed:\n    zero_stage: 4\n    zero_stag: 3\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    msg = str(err.value)
+    assert f"{path}:8: sft.deepspeed.zero_stage" in msg and "0, 1, 2 or 3" in msg and "(got 4)" in msg
+    assert f"{path}:9: sft.deepspeed.zero_stag: Extra inputs are not permitted" in msg
+
+
+def test_error_from_override_names_the_override(tmp_path):
+    with pytest.raises(ConfigError, match=r"--set sft.batch.micro_batch_size=0: sft.batch.micro_batch_size"):
+        load_config(write(tmp_path, BASE), ["sft.batch.micro_batch_size=0"])
+
+
+def test_batch_sizes_must_divide(tmp_path):
+    with pytest.raises(ConfigError, match="global_batch_size \\(30\\) must be a multiple of batch.micro_batch_size \\(8\\)"):
+        load_config(write(tmp_path, BASE), ["sft.batch.global_batch_size=30"])
+
+
+def test_missing_data_file_fails_at_load(tmp_path):
+    with pytest.raises(ConfigError, match="data file not found: 'nope/train.jsonl'"):
+        load_config(write(tmp_path, BASE), ["sft.data.path=nope/train.jsonl"])
+
+
+def test_relative_data_path_is_resolved_at_parse_time(tmp_path, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    cfg = load_config(write(tmp_path, BASE), ["sft.data.path=data/sft/train.jsonl"])
+    assert cfg.sft.data.path == str(ROOT / "data/sft/train.jsonl")
+
+
+def test_missing_file_and_bad_yaml(tmp_path):
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(tmp_path / "absent.yaml")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(write(tmp_path, "sft: [unclosed"))
+
+
+def test_stage_section_required():
+    with pytest.raises(ConfigError, match="no `sft` section"):
+        from alignflow.config import Stage
+
+        PipelineConfig().stage(Stage.SFT)
