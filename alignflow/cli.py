@@ -44,7 +44,9 @@ def stage(
     args += ["--summary-json", str(summary_json)] if summary_json else []
     if nproc > 1:
         torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or "torchrun"
-        cmd = [torchrun, f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1", "-m", name.module, *args]
+        from alignflow.infra.ports import free_port
+
+        cmd = [torchrun, f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1", f"--master_port={free_port()}", "-m", name.module, *args]
         os.execv(cmd[0], cmd)
     from importlib import import_module
 

@@ -40,3 +40,49 @@ def tokenizer(tiny_model_path):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(tiny_model_path)
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """A real S3 API server (moto's server mode) on 127.0.0.1, with a bucket `alignflow-test`.
+
+    Sets the AWS_* variables and ALIGNFLOW_S3_ENDPOINT_URL for the session's processes.
+    """
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    from alignflow.infra.ports import free_port
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    endpoint = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 60
+    while True:
+        try:
+            urllib.request.urlopen(endpoint + "/moto-api/", timeout=2)
+            break
+        except OSError:
+            if time.time() > deadline or proc.poll() is not None:
+                proc.kill()
+                raise RuntimeError("moto S3 server did not start")
+            time.sleep(0.3)
+    env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
+           "ALIGNFLOW_S3_ENDPOINT_URL": endpoint}
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    import s3fs
+
+    s3fs.S3FileSystem(client_kwargs={"endpoint_url": endpoint}).mkdir("alignflow-test")
+    try:
+        yield endpoint
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

@@ -19,6 +19,7 @@ CHUNK = 8 * 1024 * 1024
 def filesystem(uri: str) -> tuple[fsspec.AbstractFileSystem, str]:
     options = {}
     if uri.startswith("s3://"):
+        options["use_listings_cache"] = False  # checkpoints are listed right after they are written
         endpoint = os.environ.get("ALIGNFLOW_S3_ENDPOINT_URL") or os.environ.get("AWS_ENDPOINT_URL")
         if endpoint:
             options["client_kwargs"] = {"endpoint_url": endpoint}

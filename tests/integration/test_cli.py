@@ -29,4 +29,4 @@ def test_too_few_rows_for_one_batch(tmp_path):
     data = tmp_path / "small.jsonl"
     data.write_text('{"prompt": "1+1", "response": "2"}\n' * 3)
     proc = run("stage", "sft", "--config", "configs/tiny.yaml", "--set", f"sft.data.path={data}", "--set", f"storage.root={tmp_path}")
-    assert proc.returncode == 2 and "only 3 training samples" in proc.stderr
+    assert proc.returncode == 2 and "1 training rows after packing are fewer than batch.global_batch_size=32" in proc.stderr

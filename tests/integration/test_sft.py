@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from alignflow.infra import manifest
+from alignflow.infra.ports import free_port
 from alignflow.stages.common.checkpoint import tag
 from alignflow.stages.sft.stage import FAIL_AT_STEP_ENV, InjectedFailure, main
 
@@ -32,12 +33,12 @@ def greedy_accuracy(model_dir: str, rows: list[dict]) -> float:
 
 
 def test_tiny_sft_learns_publishes_and_is_cached(tmp_path, capsys):
-    cfg = sft_config(tmp_path, "sft.batch.epochs=2")
+    cfg = sft_config(tmp_path)  # configs/tiny.yaml as shipped: what `make demo` runs
     result = main(cfg)
     summary = result["metrics"]
     first, last = summary["eval/loss_initial"], summary["eval/loss"]
     print(f"held-out loss {first:.3f} -> {last:.3f}")
-    assert last < first * 2 / 3, (first, last)
+    assert last < first / 3, (first, last)
 
     published = manifest.verify(result["uri"])
     assert published is not None and "model/model.safetensors" in published.files
@@ -45,7 +46,7 @@ def test_tiny_sft_learns_publishes_and_is_cached(tmp_path, capsys):
     rows = [json.loads(line) for line in (ROOT / "data/sft/eval.jsonl").read_text().splitlines()[:40]]
     accuracy = greedy_accuracy(str(Path(result["uri"]) / "model"), rows)
     print(f"greedy accuracy on 40 held-out prompts: {accuracy:.2f}")
-    assert accuracy > 0.2
+    assert accuracy >= 0.4  # word reversal is learned first; addition takes longer
 
     again = main(cfg)  # a finished stage is not trained twice
     assert again["cached"] and again["uri"] == result["uri"]
@@ -94,7 +95,7 @@ def test_two_workers_match_one_worker(tmp_path):
     overrides = ["sft.batch.max_steps=8", "sft.data.packing=true", "sft.batch.global_batch_size=8",
                  "sft.batch.micro_batch_size=4", "sft.logging.progress=false", f"storage.root={tmp_path}/two"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-           "--master_port=0", "-m", "alignflow.stages.sft", "--config", "configs/tiny.yaml"]
+           f"--master_port={free_port()}", "-m", "alignflow.stages.sft", "--config", "configs/tiny.yaml"]
     cmd += [a for o in overrides for a in ("--set", o)] + ["--summary-json", str(tmp_path / "two.json")]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)

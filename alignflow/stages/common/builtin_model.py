@@ -128,7 +128,7 @@ def build_builtin(spec: BuiltinSpec, dest: Path) -> None:
         bos_token_id=tok.bos_token_id,
         eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id,
-        torch_dtype="float32",
+        dtype="float32",
     )
     fork = torch.random.fork_rng(devices=[])
     with fork:

@@ -108,6 +108,12 @@ class Checkpointer:
 
     def load(self, step: int) -> dict[str, Any]:
         name = tag(step)
+        written_by = manifest.read_manifest(storage.join(self.root, name), manifest.CHECKPOINT_MANIFEST).meta["world_size"]
+        if written_by != self.strategy.world_size:
+            raise RuntimeError(
+                f"checkpoint {storage.join(self.root, name)} was written by {written_by} workers; "
+                f"resume it with {written_by} workers, not {self.strategy.world_size}"
+            )
         local_root = self.local_root
         if not storage.is_local(self.root):
             if self.strategy.is_main:

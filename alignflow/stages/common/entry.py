@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Any, Callable
 
@@ -24,7 +25,7 @@ def run_stage_cli(main: Callable[[PipelineConfig, str | None], dict[str, Any]], 
     except (ConfigError, DataError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    if args.summary_json:
+    if args.summary_json and os.environ.get("RANK", "0") == "0":  # one writer when several workers run
         with open(args.summary_json, "w") as f:
             json.dump(summary, f, indent=2)
     return 0

@@ -15,25 +15,19 @@ from __future__ import annotations
 
 import math
 import os
-import socket
 from contextlib import contextmanager, nullcontext
 from typing import Any, Iterator
 
 import torch
 
 from alignflow.config import BatchConfig, DeepSpeedConfig, OptimConfig
+from alignflow.infra.ports import free_port
 
 if not torch.cuda.is_available():
     os.environ.setdefault("DS_ACCELERATOR", "cpu")  # must be set before deepspeed is imported
 
 import deepspeed  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def lr_lambda(optim: OptimConfig, total_steps: int):
@@ -83,7 +77,7 @@ class Strategy:
         if dist.is_initialized():
             return
         if "RANK" not in os.environ:
-            os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+            os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False)
 
@@ -209,6 +203,6 @@ class Strategy:
         return self.engine.module
 
     def close(self) -> None:
-        if dist.is_initialized():
-            dist.barrier()
-            dist.destroy_process_group()
+        """End of a stage: wait for every rank. The process group is kept: DeepSpeed caches it,
+        and a process that runs a second stage in-process (tests, notebooks) reuses it."""
+        self.barrier()

@@ -66,8 +66,8 @@ def total_steps(num_train: int, sft: SFTConfig) -> int:
     per_epoch = steps_per_epoch(num_train, sft.batch.global_batch_size)
     if per_epoch == 0:
         raise DataError(
-            f"only {num_train} training samples (rows after packing), fewer than "
-            f"batch.global_batch_size={sft.batch.global_batch_size}"
+            f"{num_train} training rows{' after packing' if sft.data.packing else ''} are fewer than "
+            f"batch.global_batch_size={sft.batch.global_batch_size}: not one optimizer step"
         )
     steps = per_epoch * sft.batch.epochs
     return min(steps, sft.batch.max_steps) if sft.batch.max_steps else steps

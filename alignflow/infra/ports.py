@@ -1,0 +1,10 @@
+"""Loopback ports for the servers and process groups alignflow starts."""
+
+import socket
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
