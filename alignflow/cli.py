@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import shutil
 import sys
@@ -54,6 +56,76 @@ def stage(
 
     main = import_module(f"{name.module}.stage").main
     raise typer.Exit(run_stage_cli(main, name.value, args))
+
+
+def _prefect_defaults() -> None:
+    # Before prefect is imported: its temporary server needs 10-25 s to start here.
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+
+
+@contextlib.contextmanager
+def _services_for(cfg):
+    """Use what is configured or already up (`alignflow services up`); start a private Ray head otherwise."""
+    from alignflow.infra import services
+
+    up = {s.name: s for s in services.load_services()}
+    if "prefect" in up and "PREFECT_API_URL" not in os.environ:
+        os.environ["PREFECT_API_URL"] = up["prefect"].url
+    if "mlflow" in up and not cfg.tracking.uri and "MLFLOW_TRACKING_URI" not in os.environ:
+        os.environ["MLFLOW_TRACKING_URI"] = up["mlflow"].url
+    started = None
+    if not cfg.ray.address and "ALIGNFLOW_RAY_ADDRESS" not in os.environ:
+        if "ray" in up:
+            os.environ["ALIGNFLOW_RAY_ADDRESS"] = up["ray"].url
+        else:
+            typer.echo("starting a local Ray head on 127.0.0.1 ...", err=True)
+            started = services.start_ray_head(cfg.ray.num_cpus)
+            os.environ["ALIGNFLOW_RAY_ADDRESS"] = started.url
+    try:
+        yield
+    finally:
+        if started is not None:
+            os.environ.pop("ALIGNFLOW_RAY_ADDRESS", None)
+            started.stop()
+            services.remove_home(started)
+
+
+@app.command()
+def run(
+    config: Annotated[Path, typer.Argument(help="pipeline config YAML")],
+    overrides: SetOpt = None,
+    summary_json: Annotated[Optional[Path], typer.Option(help="also write the run summary as JSON here")] = None,
+) -> None:
+    """Run the config's pipeline end to end: each stage a cached Prefect task running a Ray job."""
+    cfg = _load(config, overrides)
+    _prefect_defaults()
+    with _services_for(cfg):
+        from alignflow.flows.alignment import alignment
+
+        result = alignment(cfg)
+    _print_summary(result)
+    if summary_json:
+        summary_json.write_text(json.dumps(result, indent=2))
+
+
+def _print_summary(result: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"alignflow {result['pipeline']} pipeline '{result['name']}' in {result['seconds']:.1f}s")
+    for col in ("stage", "cache", "seconds", "main metrics", "artifacts"):
+        table.add_column(col)
+    for st in result["stages"]:
+        main = {k: v for k, v in st["metrics"].items() if k in ("loss", "eval/loss", "eval/loss_initial", "accuracy", "reward_mean")}
+        table.add_row(st["stage"], "hit" if st["cached"] else "run", f"{st['seconds']:.1f}",
+                      ", ".join(f"{k}={v:.4g}" for k, v in main.items()), st["uri"])
+    console = Console()
+    console.print(table)
+    console.print(f"MLflow parent run: {result['mlflow']['parent_run']}")
+    if result.get("registered_model"):
+        reg = result["registered_model"]
+        console.print(f"Registered model: {reg['name']} version {reg['version']} (alias {reg['alias']}) <- {reg['source']}")
 
 
 @config_app.command("show")

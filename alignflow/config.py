@@ -121,10 +121,56 @@ class StorageConfig(Frozen):
 
 class Stage(str, enum.Enum):
     SFT = "sft"
+    RM = "rm"
+    DPO = "dpo"
+    KTO = "kto"
+    RL = "rl"
 
     @property
     def module(self) -> str:
         return f"alignflow.stages.{self.value}"
+
+    @property
+    def implemented(self) -> bool:
+        return self in IMPLEMENTED_STAGES
+
+
+IMPLEMENTED_STAGES = frozenset({Stage.SFT})
+
+
+class Pipeline(str, enum.Enum):
+    """Which stages run, in order. Each stage's input is the output of the stage before it."""
+
+    SFT = "sft"
+    FULL = "full"
+    GRPO = "grpo"
+    DPO = "dpo"
+    KTO = "kto"
+
+    @property
+    def stages(self) -> tuple[Stage, ...]:
+        return {
+            Pipeline.SFT: (Stage.SFT,),
+            Pipeline.FULL: (Stage.SFT, Stage.RM, Stage.RL),
+            Pipeline.GRPO: (Stage.SFT, Stage.RL),
+            Pipeline.DPO: (Stage.SFT, Stage.DPO),
+            Pipeline.KTO: (Stage.SFT, Stage.KTO),
+        }[self]
+
+
+class RayConfig(Frozen):
+    address: str | None = Field(None, description="Ray dashboard/Jobs API URL (http://host:8265) of an existing cluster; "
+                                                  "unset: alignflow starts a local head on 127.0.0.1 (or uses ALIGNFLOW_RAY_ADDRESS).")
+    num_cpus: int | None = Field(None, ge=1, description="CPUs of the local head (default: all).")
+    job_timeout_s: int = Field(6 * 3600, ge=1, description="A stage job running longer is stopped and failed.")
+    retries: int = Field(2, ge=0, description="Retries of a stage whose job died for a reason a retry can fix.")
+    retry_delay_s: int = Field(5, ge=0)
+
+
+class TrackingConfig(Frozen):
+    uri: str | None = Field(None, description="MLflow tracking URI; unset: MLFLOW_TRACKING_URI, else a local sqlite store.")
+    experiment: str = "alignflow"
+    register_model: bool = Field(True, description="Register the final model in the MLflow Model Registry (alias `candidate`).")
 
 
 class SFTConfig(Frozen):
@@ -151,11 +197,27 @@ class SFTConfig(Frozen):
 
 class PipelineConfig(Frozen):
     name: str = Field("alignment", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", json_schema_extra=NOT_RESULT)
+    pipeline: Pipeline = Field(Pipeline.SFT, description="sft | full (SFT -> RM -> PPO) | grpo | dpo | kto")
     storage: StorageConfig = Field(default_factory=StorageConfig, json_schema_extra=NOT_RESULT)
+    ray: RayConfig = Field(default_factory=RayConfig, json_schema_extra=NOT_RESULT)
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig, json_schema_extra=NOT_RESULT)
     sft: SFTConfig | None = None
 
+    @model_validator(mode="after")
+    def _stages_available(self) -> "PipelineConfig":
+        for stage in self.pipeline.stages:
+            if not stage.implemented:
+                done = ", ".join(s.value for s in Stage if s.implemented)
+                raise ValueError(
+                    f"pipeline {self.pipeline.value!r} needs stage {stage.value!r}, which this version of alignflow "
+                    f"does not implement yet (implemented: {done})"
+                )
+            if getattr(self, stage.value, None) is None:
+                raise ValueError(f"pipeline {self.pipeline.value!r} needs a `{stage.value}` section")
+        return self
+
     def stage(self, stage: Stage) -> Any:
-        section = getattr(self, stage.value)
+        section = getattr(self, stage.value, None)
         if section is None:
             raise ConfigError(f"the config has no `{stage.value}` section, which stage {stage.value!r} needs")
         return section
@@ -230,10 +292,8 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
 
 
 def load_config(path: str | Path, overrides: list[str] | None = None) -> PipelineConfig:
-    path = Path(path)
-    if not path.exists():
-        raise ConfigError(f"config file not found: {path}")
-    text = path.read_text()
+    """Parse a YAML file (local path or storage URI such as s3://…) plus `--set` overrides."""
+    text = _read_config_text(str(path))
     try:
         raw = yaml.safe_load(text) or {}
     except yaml.YAMLError as exc:
@@ -245,6 +305,19 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> Pipelin
         return PipelineConfig.model_validate(data)
     except ValidationError as exc:
         raise ConfigError(format_validation_error(exc, str(path), _yaml_lines(text), overrides or [])) from None
+
+
+def _read_config_text(path: str) -> str:
+    if "://" in path and not path.startswith("file://"):
+        from alignflow.infra import storage
+
+        if not storage.exists(path):
+            raise ConfigError(f"config file not found: {path}")
+        return storage.read_text(path)
+    local = Path(path.removeprefix("file://"))
+    if not local.exists():
+        raise ConfigError(f"config file not found: {local}")
+    return local.read_text()
 
 
 def format_validation_error(exc: ValidationError, source: str, lines: dict[tuple, int], overrides: list[str]) -> str:

@@ -35,25 +35,28 @@ def publish(
     tokenizer,
     stage_uri: str,
     staging: Path,
-    files: dict[str, str],
+    files: dict[str, str | bytes],
     meta: dict[str, Any],
-) -> manifest.Manifest | None:
-    """Write model/ plus the given text files, upload when remote, and write MANIFEST.json last.
+) -> tuple[manifest.Manifest | None, Path]:
+    """Write model/ plus the given files, upload when remote, and write MANIFEST.json last.
 
-    Returns the manifest on rank 0 and None on other ranks.
+    Returns (the manifest on rank 0, None elsewhere) and the local folder holding a copy
+    of every published file, the manifest included.
     """
     local = storage.local_path(stage_uri) if storage.is_local(stage_uri) else staging / "publish"
     local.mkdir(parents=True, exist_ok=True)
     save_hf_model(strategy, tokenizer, local / "model")
     result = None
     if strategy.is_main:
-        for name, text in files.items():
-            (local / name).write_text(text)
+        for name, content in files.items():
+            (local / name).write_bytes(content.encode() if isinstance(content, str) else content)
         if not storage.is_local(stage_uri):
             storage.upload_dir(local, stage_uri)
         result = manifest.write_manifest(stage_uri, exclude=("checkpoints/",), **meta)
+        if not storage.is_local(stage_uri):
+            (local / manifest.STAGE_MANIFEST).write_text(storage.read_text(storage.join(stage_uri, manifest.STAGE_MANIFEST)))
     strategy.barrier()
-    return result
+    return result, local
 
 
 def model_card(stage: str, base_model: str, data: dict[str, str], config_hash: str, cache_key: str, metrics: dict[str, float]) -> str:

@@ -20,6 +20,7 @@ import torch
 
 from alignflow.config import PipelineConfig, SFTConfig, Stage, dump_config
 from alignflow.infra import manifest, storage
+from alignflow.lineage import data_inputs, data_sources, stage_cache_key, stage_output_uri
 from alignflow.stages.common.checkpoint import Checkpointer, seed_everything, staging_dir
 from alignflow.stages.common.data import DataError, Sample, collate, global_batch, pack, rank_micro_batches, steps_per_epoch
 from alignflow.stages.common.logprobs import token_logprobs
@@ -27,6 +28,7 @@ from alignflow.stages.common.models import load_causal_lm, load_tokenizer
 from alignflow.stages.common.progress import MetricsLog, Timer
 from alignflow.stages.common.publish import metrics_json, model_card, publish
 from alignflow.stages.common.strategy import Strategy
+from alignflow.stages.common.tracking import StageTracking, plot_curves
 from alignflow.stages.sft.data import load_sft_samples
 from alignflow.stages.sft.losses import sft_loss
 
@@ -49,19 +51,6 @@ class SFTData:
         return [len(s) for s in self.train]
 
 
-def data_inputs(sft: SFTConfig) -> dict[str, str]:
-    """Content fingerprints of the data: part of the cache key, unlike the paths."""
-    inputs = {"data": storage.fingerprint(sft.data.path)}
-    if sft.data.eval_path:
-        inputs["eval_data"] = storage.fingerprint(sft.data.eval_path)
-    return inputs
-
-
-def sft_cache_key(cfg: PipelineConfig) -> str:
-    sft = cfg.stage(Stage.SFT)
-    return manifest.cache_key(sft.config_hash(), data_inputs(sft))
-
-
 def total_steps(num_train: int, sft: SFTConfig) -> int:
     per_epoch = steps_per_epoch(num_train, sft.batch.global_batch_size)
     if per_epoch == 0:
@@ -76,8 +65,8 @@ def total_steps(num_train: int, sft: SFTConfig) -> int:
 def main(cfg: PipelineConfig, output_uri: str | None = None) -> dict[str, Any]:
     # ------------------------------------------------------------------ setup
     sft = cfg.stage(Stage.SFT)
-    key = sft_cache_key(cfg)
-    out = output_uri or manifest.stage_uri(cfg.storage.root, cfg.name, Stage.SFT.value, key)
+    key = stage_cache_key(cfg, Stage.SFT)
+    out = output_uri or stage_output_uri(cfg, Stage.SFT, key)
     done = manifest.verify(out)
     if done is not None:
         print(f"sft: already complete at {out} (cache key {key})", flush=True)
@@ -97,6 +86,8 @@ def main(cfg: PipelineConfig, output_uri: str | None = None) -> dict[str, Any]:
     checkpoints = Checkpointer(strategy, out, sft.checkpoint.keep_last, staging_dir(key))
     start, history = resume(checkpoints)
     log = MetricsLog(strategy.is_main, steps, sft.logging.progress, "tokens_per_s", history)
+    tracking = StageTracking(strategy.is_main)
+    log.add_sink(tracking.log_metrics)
     if start == 0:
         log.log(0, evaluate(strategy, data, sft.batch.micro_batch_size, tokenizer.pad_token_id), echo=True)
 
@@ -115,22 +106,37 @@ def main(cfg: PipelineConfig, output_uri: str | None = None) -> dict[str, Any]:
     log.close()
 
     # ------------------------------------------------------------------ publish
+    summary = publish_result(cfg, key, out, strategy, tokenizer, log, tracking, data, start)
+    strategy.close()
+    return {"stage": "sft", "uri": out, "cache_key": key, "cached": False, "metrics": summary, "resumed_from_step": start or None}
+
+
+def publish_result(cfg: PipelineConfig, key: str, out: str, strategy: Strategy, tokenizer, log: MetricsLog,
+                   tracking: StageTracking, data: SFTData, start: int) -> dict[str, float]:
+    """HF model + config + metrics + curves + model card, manifest last; artifacts to MLflow."""
+    sft = cfg.stage(Stage.SFT)
     summary = log.summary()
     if log.history and log.history[0]["step"] == 0 and "eval/loss" in log.history[0]:
         summary["eval/loss_initial"] = log.history[0]["eval/loss"]
     fingerprints = data_inputs(sft)
-    sources = {sft.data.path: fingerprints["data"], **({sft.data.eval_path: fingerprints["eval_data"]} if sft.data.eval_path else {})}
-    files = {
-        "config.yaml": dump_config(cfg),
-        "metrics.json": metrics_json(log.history, summary, {"data": data.stats, "resumed_from_step": start or None}),
-        "MODEL_CARD.md": model_card("sft", sft.model.name_or_path, sources, sft.config_hash(), key, summary),
-    }
-    meta = {"stage": "sft", "cache_key": key, "config_hash": sft.config_hash(), "inputs": fingerprints, "metrics": summary}
-    publish(strategy, tokenizer, out, staging_dir(key), files, meta)
+    staging = staging_dir(key)
+    files: dict[str, str | bytes] = {}
+    if strategy.is_main:
+        sources = {src: fingerprints[name] for name, src in data_sources(sft).items()}
+        curves = plot_curves(log.history, ["loss", "eval/loss", "lr", "tokens_per_s"], staging / "curves.png")
+        files = {
+            "config.yaml": dump_config(cfg),
+            "metrics.json": metrics_json(log.history, summary, {"data": data.stats, "resumed_from_step": start or None}),
+            "MODEL_CARD.md": model_card("sft", sft.model.name_or_path, sources, sft.config_hash(), key, summary),
+            "curves.png": curves.read_bytes(),
+        }
+    meta = {"stage": "sft", "cache_key": key, "config_hash": sft.config_hash(), "inputs": fingerprints,
+            "metrics": summary, "mlflow_run_id": tracking.run_id}
+    _, local = publish(strategy, tokenizer, out, staging, files, meta)
+    tracking.log_artifacts([local / name for name in (*files, "MANIFEST.json")])
     if strategy.is_main:
         print(f"sft: published model to {storage.join(out, 'model')}\nsft: metrics in {storage.join(out, 'metrics.json')}", flush=True)
-    strategy.close()
-    return {"stage": "sft", "uri": out, "cache_key": key, "cached": False, "metrics": summary, "resumed_from_step": start or None}
+    return summary
 
 
 def resume(checkpoints: Checkpointer) -> tuple[int, list[dict]]:

@@ -1,0 +1,116 @@
+"""Stage jobs through Ray's Jobs API: submit, stream logs, wait, stop.
+
+A stage's entry point is `python -m alignflow.stages.<stage> --config <uri> --output <uri>`
+with the caller's own interpreter (same venv on a local head; on a cluster, the
+image must hold the same alignflow). The stage exits with code 2 for bad config
+or data: such a failure is marked not retryable.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Callable
+
+BAD_INPUT_EXIT_CODE = 2
+ACTIVE: dict[str, str] = {}  # job id -> Jobs API address, for jobs this process is waiting on
+
+
+class StageJobError(RuntimeError):
+    """A stage job that failed, with the tail of its log. `retryable` is False for bad input."""
+
+    def __init__(self, message: str, retryable: bool, job_id: str):
+        super().__init__(message)
+        self.retryable, self.job_id = retryable, job_id
+
+
+@dataclass
+class JobOutcome:
+    job_id: str
+    seconds: float
+    log: str
+
+
+def client(address: str):
+    from ray.job_submission import JobSubmissionClient
+
+    return JobSubmissionClient(address)
+
+
+def stage_entrypoint(module: str, config_uri: str, output_uri: str) -> str:
+    return shlex.join([sys.executable, "-u", "-m", module, "--config", config_uri, "--output", output_uri])
+
+
+def run_job(
+    address: str,
+    entrypoint: str,
+    env: dict[str, str],
+    name: str,
+    timeout_s: float,
+    on_log: Callable[[str], None],
+    on_submit: Callable[[str], None] = lambda job_id: None,
+    poll_s: float = 1.0,
+) -> JobOutcome:
+    """Submit, stream new log lines to `on_log`, and wait. The job is stopped if this call
+    ends any other way than by the job finishing (timeout, exception, cancellation)."""
+    from ray.job_submission import JobStatus
+
+    jobs = client(address)
+    job_id = f"alignflow-{name}-{uuid.uuid4().hex[:8]}"
+    jobs.submit_job(entrypoint=entrypoint, submission_id=job_id, runtime_env={"env_vars": env},
+                    metadata={"alignflow.stage": name})
+    ACTIVE[job_id] = address
+    on_submit(job_id)
+    start, seen, finished = time.time(), 0, False
+    try:
+        while True:
+            status = jobs.get_job_status(job_id)
+            log = jobs.get_job_logs(job_id)
+            for line in log[seen:].splitlines():
+                on_log(line)
+            seen = len(log)
+            if status.is_terminal():
+                finished = True
+                break
+            if time.time() - start > timeout_s:
+                raise StageJobError(f"stage job {job_id} ran longer than {timeout_s:.0f}s and was stopped", True, job_id)
+            time.sleep(poll_s)
+    finally:
+        if not finished:
+            stop(jobs, job_id)
+        ACTIVE.pop(job_id, None)
+    log = jobs.get_job_logs(job_id)
+    if status != JobStatus.SUCCEEDED:
+        info = jobs.get_job_info(job_id)
+        raise failure(job_id, str(status), info.message or "", log)
+    return JobOutcome(job_id, time.time() - start, log)
+
+
+def failure(job_id: str, status: str, message: str, log: str) -> StageJobError:
+    match = re.search(r"exit code (\d+)", message)
+    code = int(match.group(1)) if match else None
+    tail = "\n".join(log.splitlines()[-40:])
+    retryable = code != BAD_INPUT_EXIT_CODE
+    kind = "bad input (not retried)" if not retryable else status.lower()
+    return StageJobError(f"stage job {job_id} failed: {kind}: {message.splitlines()[0] if message else ''}\n{tail}", retryable, job_id)
+
+
+def stop_active() -> None:
+    """Stop every job this process is waiting on (called when the flow run is being killed)."""
+    for job_id, address in list(ACTIVE.items()):
+        stop(client(address), job_id)
+        ACTIVE.pop(job_id, None)
+
+
+def stop(jobs, job_id: str, wait_s: float = 30.0) -> None:
+    try:
+        jobs.stop_job(job_id)
+        deadline = time.time() + wait_s
+        while time.time() < deadline and not jobs.get_job_status(job_id).is_terminal():
+            time.sleep(0.5)
+    except Exception:  # the head may be gone already; nothing left to stop then
+        pass

@@ -1,0 +1,213 @@
+"""Local services on 127.0.0.1: a Ray head, an MLflow server, a Prefect server.
+
+Each is one child process that alignflow starts and stops by its own process id
+(its process group, then any process still holding the service's private folder)
+— never `ray stop`, which would kill every Ray process of the user on the
+machine. Every port is chosen free on 127.0.0.1 and every server binds there.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from alignflow.infra.ports import free_port
+
+BIN = Path(sys.executable).parent  # the same venv's ray / prefect / mlflow
+
+
+class ServiceError(RuntimeError):
+    pass
+
+
+@dataclass
+class Service:
+    name: str
+    pid: int
+    url: str
+    home: str  # private folder: logs, temp dir, database
+    log: str
+
+    def stop(self, timeout: float = 20.0) -> None:
+        stop_process_tree(self.pid, self.home, timeout)
+
+
+def stop_process_tree(pid: int, home: str, timeout: float) -> None:
+    """SIGTERM the service's process group, then SIGKILL what is left of it and of any
+    process whose command line names the service's private folder (Ray daemons)."""
+    import psutil
+
+    def ours() -> list[psutil.Process]:
+        found = []
+        for proc in psutil.process_iter(["pid", "cmdline"]):
+            try:
+                if proc.info["pid"] == pid or any(home in part for part in proc.info["cmdline"] or []):
+                    found.append(proc)
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                continue
+        return found
+
+    try:
+        os.killpg(pid, signal.SIGTERM)
+    except (ProcessLookupError, PermissionError):
+        pass
+    deadline = time.time() + timeout
+    while time.time() < deadline and ours():
+        time.sleep(0.3)
+    for proc in ours():
+        try:
+            proc.kill()
+        except psutil.NoSuchProcess:
+            pass
+    try:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        pass
+
+
+def _spawn(name: str, cmd: list[str], home: Path, env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
+    log = home / f"{name}.log"
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True, env={**os.environ, **(env or {})})
+    return proc, str(log)
+
+
+def _wait_http(url: str, proc: subprocess.Popen, log: str, timeout: float, name: str) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise ServiceError(f"{name} exited with code {proc.returncode} while starting; log: {log}\n{_tail(log)}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as response:
+                if response.status < 500:
+                    return
+        except OSError:
+            time.sleep(0.5)
+    raise ServiceError(f"{name} did not answer at {url} within {timeout:.0f}s; log: {log}\n{_tail(log)}")
+
+
+def _tail(path: str, lines: int = 30) -> str:
+    try:
+        return "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def _home(kind: str, base: str | None) -> Path:
+    # Short paths: Ray puts unix sockets under its temp dir, and those are limited to ~107 bytes.
+    return Path(tempfile.mkdtemp(prefix=f"af-{kind}-", dir=base or "/tmp"))
+
+
+def start_ray_head(num_cpus: int | None = None, base: str | None = None, timeout: float = 120) -> Service:
+    """A private Ray head; `url` is its dashboard / Jobs API on 127.0.0.1."""
+    home = _home("ray", base)
+    dashboard = free_port()
+    cmd = [str(BIN / "ray"), "start", "--head", "--block", "--disable-usage-stats",
+           "--node-ip-address=127.0.0.1", f"--port={free_port()}", "--dashboard-host=127.0.0.1",
+           f"--dashboard-port={dashboard}", "--include-dashboard=true", f"--temp-dir={home}",
+           f"--ray-client-server-port={free_port()}", f"--dashboard-agent-listen-port={free_port()}",
+           f"--dashboard-agent-grpc-port={free_port()}", f"--runtime-env-agent-port={free_port()}",
+           f"--metrics-export-port={free_port()}", f"--node-manager-port={free_port()}",
+           f"--object-manager-port={free_port()}", f"--num-cpus={num_cpus or os.cpu_count() or 1}"]
+    # The venv's bin first on PATH: a job's bare `python` is then this interpreter.
+    env = {"PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}", "RAY_USAGE_STATS_ENABLED": "0"}
+    proc, log = _spawn("ray", cmd, home, env)
+    url = f"http://127.0.0.1:{dashboard}"
+    service = Service("ray", proc.pid, url, str(home), log)
+    try:
+        _wait_http(f"{url}/api/version", proc, log, timeout, "Ray head")
+        _wait_jobs_api(url, proc, log, timeout)
+    except BaseException:
+        service.stop()
+        raise
+    return service
+
+
+def _wait_jobs_api(url: str, proc: subprocess.Popen, log: str, timeout: float) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            with urllib.request.urlopen(f"{url}/api/jobs/", timeout=5) as response:
+                json.loads(response.read() or b"[]")
+                return
+        except OSError:
+            if proc.poll() is not None:
+                raise ServiceError(f"Ray head exited while starting; log: {log}\n{_tail(log)}") from None
+            time.sleep(0.5)
+    raise ServiceError(f"Ray Jobs API did not answer at {url}; log: {log}")
+
+
+def start_mlflow_server(artifacts: str, base: str | None = None, timeout: float = 120) -> Service:
+    """MLflow tracking + registry on a sqlite store, proxying artifacts to `artifacts` (folder or s3://)."""
+    home = _home("mlflow", base)
+    port = free_port()
+    cmd = [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
+           "--backend-store-uri", f"sqlite:///{home}/mlflow.db", "--artifacts-destination", artifacts,
+           "--serve-artifacts", "--workers", "1"]
+    endpoint = os.environ.get("ALIGNFLOW_S3_ENDPOINT_URL")
+    env = {"MLFLOW_S3_ENDPOINT_URL": endpoint} if endpoint else {}
+    proc, log = _spawn("mlflow", cmd, home, env)
+    service = Service("mlflow", proc.pid, f"http://127.0.0.1:{port}", str(home), log)
+    try:
+        _wait_http(f"{service.url}/health", proc, log, timeout, "MLflow server")
+    except BaseException:
+        service.stop()
+        raise
+    return service
+
+
+def start_prefect_server(base: str | None = None, timeout: float = 180) -> Service:
+    """A Prefect server with its own database; `url` is its API URL (…/api)."""
+    home = _home("prefect", base)
+    port = free_port()
+    env = {"PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+           "PREFECT_API_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{home}/prefect.db"}
+    cmd = [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)]
+    proc, log = _spawn("prefect", cmd, home, env)
+    service = Service("prefect", proc.pid, f"http://127.0.0.1:{port}/api", str(home), log)
+    try:
+        _wait_http(f"{service.url}/health", proc, log, timeout, "Prefect server")
+    except BaseException:
+        service.stop()
+        raise
+    return service
+
+
+# ------------------------------------------------------------------ persistent services (`alignflow services up/down`)
+
+
+def state_file() -> Path:
+    return Path(os.environ.get("ALIGNFLOW_HOME", Path.home() / ".alignflow")) / "services.json"
+
+
+def save_services(services: list[Service]) -> None:
+    path = state_file()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps([asdict(s) for s in services], indent=2))
+
+
+def load_services() -> list[Service]:
+    path = state_file()
+    if not path.exists():
+        return []
+    return [Service(**d) for d in json.loads(path.read_text())]
+
+
+def forget_services() -> None:
+    path = state_file()
+    if path.exists():
+        path.unlink()
+
+
+def remove_home(service: Service) -> None:
+    shutil.rmtree(service.home, ignore_errors=True)

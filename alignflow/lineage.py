@@ -1,0 +1,36 @@
+"""What a stage's result depends on, computed without torch.
+
+The Prefect task (which must not import torch) and the stage itself (inside the
+Ray job) both call `stage_cache_key`, so they always agree on where a stage's
+result lives: `{storage.root}/{pipeline}/{stage}/{cache_key}/`.
+"""
+
+from __future__ import annotations
+
+from alignflow.config import PipelineConfig, Stage
+from alignflow.infra import manifest, storage
+
+
+def data_sources(stage_cfg) -> dict[str, str]:
+    """Named data sources of a stage section (train data and, when given, eval data)."""
+    sources = {"data": stage_cfg.data.path}
+    if stage_cfg.data.eval_path:
+        sources["eval_data"] = stage_cfg.data.eval_path
+    return sources
+
+
+def data_inputs(stage_cfg) -> dict[str, str]:
+    """Content fingerprints of a stage's data: part of the cache key, unlike the paths."""
+    return {name: storage.fingerprint(src) for name, src in data_sources(stage_cfg).items()}
+
+
+def stage_cache_key(cfg: PipelineConfig, stage: Stage, upstream: dict[str, str] | None = None) -> str:
+    """hash(stage config hash, data fingerprints, upstream manifest digests, alignflow version)."""
+    section = cfg.stage(stage)
+    inputs = data_inputs(section)
+    inputs.update({f"upstream:{name}": digest for name, digest in (upstream or {}).items()})
+    return manifest.cache_key(section.config_hash(), inputs)
+
+
+def stage_output_uri(cfg: PipelineConfig, stage: Stage, key: str) -> str:
+    return manifest.stage_uri(cfg.storage.root, cfg.name, stage.value, key)

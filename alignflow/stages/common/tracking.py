@@ -1,0 +1,69 @@
+"""The stage's side of MLflow: continue the child run the orchestrator created.
+
+Active only when ALIGNFLOW_MLFLOW_RUN_ID is set (by the stage task); a stage run
+by hand logs to stdout and metrics.json only. Metrics are sent in batches.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+RUN_ID_ENV = "ALIGNFLOW_MLFLOW_RUN_ID"  # same name as alignflow.infra.tracking.RUN_ID_ENV
+
+
+class StageTracking:
+    def __init__(self, active: bool, flush_every: int = 20):
+        self.run_id = os.environ.get(RUN_ID_ENV) if active else None
+        self.flush_every = flush_every
+        self._buffer: list = []
+        self.client = None
+        if self.run_id:
+            from mlflow import MlflowClient
+
+            self.client = MlflowClient()  # MLFLOW_TRACKING_URI comes from the job's environment
+
+    def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
+        if not self.client:
+            return
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        self._buffer += [Metric(k.replace("/", "_"), float(v), now, step) for k, v in metrics.items()]
+        if len(self._buffer) >= self.flush_every * 4:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.client and self._buffer:
+            for i in range(0, len(self._buffer), 1000):
+                self.client.log_batch(self.run_id, metrics=self._buffer[i:i + 1000])
+            self._buffer = []
+
+    def log_artifacts(self, files: list[Path]) -> None:
+        if not self.client:
+            return
+        self.flush()
+        for path in files:
+            if path.exists():
+                self.client.log_artifact(self.run_id, str(path))
+
+
+def plot_curves(history: list[dict[str, float]], keys: list[str], path: Path) -> Path:
+    """One PNG with a panel per metric against the step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = [k for k in keys if any(k in r for r in history)]
+    fig, axes = plt.subplots(1, max(1, len(keys)), figsize=(4 * max(1, len(keys)), 3), squeeze=False)
+    for ax, key in zip(axes[0], keys):
+        points = [(r["step"], r[key]) for r in history if key in r]
+        ax.plot([p[0] for p in points], [p[1] for p in points], marker="." if len(points) < 30 else None)
+        ax.set_title(key)
+        ax.set_xlabel("step")
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    return path
