@@ -111,8 +111,18 @@ def test_missing_file_and_bad_yaml(tmp_path):
         load_config(write(tmp_path, "sft: [unclosed"))
 
 
-def test_stage_section_required():
-    with pytest.raises(ConfigError, match="no `sft` section"):
-        from alignflow.config import Stage
+def test_pipeline_needs_its_sections_and_implemented_stages(tmp_path):
+    with pytest.raises(ConfigError, match="pipeline 'sft' needs a `sft` section"):
+        load_config(write(tmp_path, "name: x\n"))
+    with pytest.raises(ConfigError, match="pipeline 'full' needs stage 'rm', which this version of alignflow does not implement yet"):
+        load_config(write(tmp_path, BASE), ["pipeline=full"])
+    with pytest.raises(ConfigError, match="pipeline: Input should be 'sft', 'full', 'grpo', 'dpo' or 'kto'"):
+        load_config(write(tmp_path, BASE), ["pipeline=ppo"])
 
-        PipelineConfig().stage(Stage.SFT)
+
+def test_stage_lookup_names_the_missing_section(tmp_path):
+    from alignflow.config import Stage
+
+    cfg = load_config(write(tmp_path, BASE))
+    with pytest.raises(ConfigError, match="no `rm` section"):
+        cfg.stage(Stage.RM)
