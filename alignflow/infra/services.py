@@ -47,9 +47,15 @@ def stop_process_tree(pid: int, home: str, timeout: float) -> None:
     import psutil
 
     def ours() -> list[psutil.Process]:
+        try:
+            os.waitpid(pid, os.WNOHANG)  # reap our own child, or it lingers as a zombie
+        except ChildProcessError:
+            pass
         found = []
-        for proc in psutil.process_iter(["pid", "cmdline"]):
+        for proc in psutil.process_iter(["pid", "cmdline", "status"]):
             try:
+                if proc.info["status"] == psutil.STATUS_ZOMBIE:
+                    continue
                 if proc.info["pid"] == pid or any(home in part for part in proc.info["cmdline"] or []):
                     found.append(proc)
             except (psutil.NoSuchProcess, psutil.AccessDenied):
@@ -68,10 +74,6 @@ def stop_process_tree(pid: int, home: str, timeout: float) -> None:
             proc.kill()
         except psutil.NoSuchProcess:
             pass
-    try:
-        os.waitpid(pid, os.WNOHANG)
-    except ChildProcessError:
-        pass
 
 
 def _spawn(name: str, cmd: list[str], home: Path, env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:

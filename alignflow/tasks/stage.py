@@ -68,7 +68,13 @@ def retry_unless_bad_input(task, task_run, state) -> bool:
     return False
 
 
-@task(name="stage", task_run_name="{stage}", cache_key_fn=prefect_cache_key, persist_result=True,
+def _task_run_name() -> str:
+    from prefect.runtime import task_run
+
+    return Stage(task_run.parameters["stage"]).value
+
+
+@task(name="stage", task_run_name=_task_run_name, cache_key_fn=prefect_cache_key, persist_result=True,
       retry_condition_fn=retry_unless_bad_input)
 def run_stage(config: PipelineConfig, stage: Stage, upstream: dict[str, StageResult], ctx: RunContext) -> StageResult:
     log = get_run_logger()
