@@ -128,6 +128,105 @@ def _print_summary(result: dict) -> None:
         console.print(f"Registered model: {reg['name']} version {reg['version']} (alias {reg['alias']}) <- {reg['source']}")
 
 
+services_app = typer.Typer(no_args_is_help=True, help="Local services that persist between runs.")
+app.add_typer(services_app, name="services")
+
+
+@services_app.command("up")
+def services_up(
+    artifacts: Annotated[str, typer.Option(help="MLflow artifact destination (folder or s3://)")] = "./outputs/mlflow-artifacts",
+) -> None:
+    """Start a Ray head, a Prefect server and an MLflow server (with UIs) on 127.0.0.1."""
+    from alignflow.infra import services
+
+    if services.load_services():
+        typer.echo("services are already up (alignflow services down first):", err=True)
+        services_status()
+        raise typer.Exit(1)
+    if "://" not in artifacts:
+        artifacts = str(Path(artifacts).resolve())
+        Path(artifacts).mkdir(parents=True, exist_ok=True)
+    started = []
+    try:
+        started.append(services.start_ray_head())
+        started.append(services.start_prefect_server())
+        started.append(services.start_mlflow_server(artifacts))
+    except Exception:
+        for svc in started:
+            svc.stop()
+        raise
+    services.save_services(started)
+    services_status()
+
+
+@services_app.command("down")
+def services_down() -> None:
+    """Stop the services `services up` started, each by its own process id."""
+    from alignflow.infra import services
+
+    for svc in services.load_services():
+        svc.stop()
+        services.remove_home(svc)
+        typer.echo(f"stopped {svc.name} (pid {svc.pid})")
+    services.forget_services()
+
+
+@services_app.command("status")
+def services_status() -> None:
+    """Where the local services listen; `alignflow run` and `serve` use them while they are up."""
+    from alignflow.infra import services
+
+    up = services.load_services()
+    if not up:
+        typer.echo("no local services (alignflow services up starts them)")
+    for svc in up:
+        ui = svc.url.removesuffix("/api")
+        typer.echo(f"{svc.name:8s} pid {svc.pid:<8d} {ui}   log: {svc.log}")
+
+
+@app.command()
+def serve(
+    config: Annotated[Path, typer.Option("--config", "-c", help="base config for every deployment")] = Path("configs/tiny.yaml"),
+    overrides: SetOpt = None,
+    cron: Annotated[str, typer.Option(help="example schedule, created paused")] = "0 3 * * *",
+) -> None:
+    """Serve the `alignment` deployments (sft, full, grpo, dpo, kto) from this process."""
+    from alignflow.config import Pipeline, apply_overrides
+    import yaml
+
+    cfg = _load(config, overrides)  # the base must be valid; a variant whose stages are missing fails at run time
+    raw = apply_overrides(yaml.safe_load(config.read_text()), overrides or [])
+    _prefect_defaults()
+    with _services_for(cfg):
+        from prefect import serve as prefect_serve
+
+        from alignflow.flows.alignment import alignment
+
+        deployments = [
+            alignment.to_deployment(name=p.value, parameters={"config": {**raw, "pipeline": p.value}}, cron=cron,
+                                    paused=True, description=f"alignment pipeline {p.value}: {' -> '.join(s.value for s in p.stages)}",
+                                    tags=["alignflow"])
+            for p in Pipeline
+        ]
+        prefect_serve(*deployments)
+
+
+@app.command()
+def export(
+    source: Annotated[str, typer.Argument(help="a published stage folder/URI, or models:/NAME@ALIAS or models:/NAME/VERSION")],
+    dest: Annotated[str, typer.Argument(help="folder or s3:// prefix to copy the HF model to")],
+) -> None:
+    """Copy a published model, verified against its manifest, to a folder or bucket for serving."""
+    from alignflow.infra.export import ExportError, export_model
+
+    try:
+        files = export_model(source, dest)
+    except ExportError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    typer.echo(f"exported {len(files)} files to {dest} (sha256 verified against the manifest)")
+
+
 @config_app.command("show")
 def config_show(config: ConfigOpt, overrides: SetOpt = None) -> None:
     """Print the resolved config and its hashes."""

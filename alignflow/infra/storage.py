@@ -84,6 +84,16 @@ def download_dir(uri: str, local: str | Path) -> Path:
     return local
 
 
+def copy_file(src: str, dest: str) -> None:
+    """Stream one file between any two storages (local, s3, …)."""
+    sfs, spath = filesystem(src)
+    dfs, dpath = filesystem(dest)
+    dfs.makedirs(dpath.rsplit("/", 1)[0], exist_ok=True)
+    with sfs.open(spath, "rb") as f, dfs.open(dpath, "wb") as out:
+        while chunk := f.read(CHUNK):
+            out.write(chunk)
+
+
 def remove(uri: str) -> None:
     fs, path = filesystem(uri)
     if fs.exists(path):

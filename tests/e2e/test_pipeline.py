@@ -53,6 +53,10 @@ def test_run_then_rerun_is_fully_cached(services, tmp_path):
     ids = tok.apply_chat_template([{"role": "user", "content": "rev abcd"}], add_generation_prompt=True, return_tensors="pt", return_dict=True)
     assert model.generate(**ids, max_new_tokens=6, do_sample=False).shape[1] > ids["input_ids"].shape[1]
 
+    exported = alignflow(services, "export", "models:/e2e-run@candidate", str(tmp_path / "serving"))
+    assert exported.returncode == 0, exported.stderr
+    assert (tmp_path / "serving" / "model.safetensors").exists() and (tmp_path / "serving" / "tokenizer.json").exists()
+
     jobs_mid = ray_jobs(services)
     start = time.time()
     second = alignflow(services, *run_args(root, "--set", "name=e2e-run"), "--summary-json", str(tmp_path / "2.json"))
