@@ -19,6 +19,26 @@ def prefect_cli(services, *args, timeout=600):
     return subprocess.run([PREFECT, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+def wait_flow_run(services, flow_run_id: str, timeout: float = 480, after: float = 0.0) -> str:
+    """Poll the Prefect API until the flow run reaches a terminal state (set after `after`)."""
+    import urllib.request
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        with urllib.request.urlopen(f"{services['prefect']}/flow_runs/{flow_run_id}", timeout=10) as r:
+            state = json.loads(r.read())["state"]
+        if state["type"] in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED") and _ts(state["timestamp"]) > after:
+            return state["type"]
+        time.sleep(1)
+    raise AssertionError(f"flow run {flow_run_id} did not finish in {timeout}s")
+
+
+def _ts(iso: str) -> float:
+    from datetime import datetime
+
+    return datetime.fromisoformat(iso.replace("Z", "+00:00")).timestamp()
+
+
 def test_served_deployment_runs_from_the_prefect_cli(services, tmp_path):
     from mlflow import MlflowClient
 
@@ -77,3 +97,40 @@ def test_prefect_yaml_deploys_to_a_process_work_pool_and_a_worker_runs_it(servic
     finally:
         worker.terminate()
         worker.wait(timeout=60)
+
+
+def test_prefect_flow_run_retry_resumes_the_failed_stage(services, tmp_path):
+    import re
+
+    from alignflow.infra import storage
+
+    from .test_pipeline import _running_job, _wait_for_checkpoint
+    from .conftest import ray_jobs
+
+    root = "s3://alignflow-test/e2e-retry"
+    serve = alignflow(services, "serve", "--set", f"storage.root={root}", "--set", "sft.batch.max_steps=200",
+                      "--set", "sft.checkpoint.every_steps=10", "--set", "ray.retries=0", "--set", "name=e2e-retry", wait=False)
+    try:
+        deadline = time.time() + 180
+        while prefect_cli(services, "deployment", "inspect", "alignment/sft").returncode != 0:
+            assert time.time() < deadline and serve.poll() is None
+            time.sleep(2)
+        before = ray_jobs(services)
+        started = prefect_cli(services, "deployment", "run", "alignment/sft")
+        flow_run_id = re.search(r"UUID: ([0-9a-f-]{36})", started.stdout).group(1)
+        job = _running_job(services, before, timeout=180)
+        key = _wait_for_checkpoint(f"{root}/e2e-retry/sft")
+        from ray.job_submission import JobSubmissionClient
+
+        JobSubmissionClient(services["ray"]).stop_job(job)
+        assert wait_flow_run(services, flow_run_id, 300) == "FAILED"
+
+        retried_at = time.time()
+        retry = prefect_cli(services, "flow-run", "retry", flow_run_id)
+        assert retry.returncode == 0, retry.stdout + retry.stderr
+        assert wait_flow_run(services, flow_run_id, 480, after=retried_at) == "COMPLETED"
+    finally:
+        serve.terminate()
+        serve.wait(timeout=60)
+    metrics = json.loads(storage.read_text(f"{root}/e2e-retry/sft/{key}/metrics.json"))
+    assert metrics["resumed_from_step"] >= 10
