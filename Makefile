@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-fast test-integration bench clean
+.PHONY: install demo test test-fast test-integration test-e2e bench clean
 
 # Reinstall when the dependency list changes; otherwise this is a no-op.
 $(STAMP): pyproject.toml
@@ -26,6 +26,9 @@ test-fast: $(STAMP)
 
 test-integration: $(STAMP)
 	$(PY) -m pytest -q -m integration
+
+test-e2e: $(STAMP)
+	$(PY) -m pytest -q -m e2e
 
 bench: $(STAMP)
 	$(PY) benchmarks/sft_throughput.py

@@ -9,6 +9,7 @@ retried by Prefect unless it failed on bad input.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import time
 from typing import Any
@@ -50,12 +51,18 @@ def stage_key(config: PipelineConfig, stage: Stage, upstream: dict[str, StageRes
 
 
 def prefect_cache_key(context: Any, params: dict[str, Any]) -> str | None:
-    """Prefect's cache answers only for a stage whose manifest is still in storage."""
+    """Prefect's cache answers only for a stage whose manifest is in storage now, and only with
+    a result recorded for that very manifest: the key covers the stage URI (storage root included),
+    the manifest's content digest and the MLflow run that produced it. Prefect keeps cached
+    results on local disk across servers; without this, a result from another storage or
+    another tracking server could answer."""
     config, stage = params["config"], Stage(params["stage"])
-    key = stage_key(config, stage, params.get("upstream") or {})
-    if manifest.read_manifest(stage_output_uri(config, stage, key)) is None:
+    uri = stage_output_uri(config, stage, stage_key(config, stage, params.get("upstream") or {}))
+    published = manifest.read_manifest(uri)
+    if published is None:
         return None
-    return f"alignflow-{config.name}-{stage.value}-{key}"
+    identity = f"{uri}|{published.digest}|{published.meta.get('mlflow_run_id')}"
+    return f"alignflow-{stage.value}-{hashlib.sha256(identity.encode()).hexdigest()[:32]}"
 
 
 def retry_unless_bad_input(task, task_run, state) -> bool:

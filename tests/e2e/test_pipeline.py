@@ -69,6 +69,13 @@ def test_run_then_rerun_is_fully_cached(services, tmp_path):
     assert hit.data.tags["alignflow.cache_hit"] == "true" and hit.data.tags["alignflow.source_run_id"] == child.info.run_id
     print(f"first run {summary['seconds']:.1f}s (flow), cached re-run {again['seconds']:.1f}s (flow), {wall:.1f}s (command)")
 
+    # A third run is answered by Prefect's own cache (the second run stored the result under its key).
+    third = alignflow(services, *run_args(root, "--set", "name=e2e-run"), "--summary-json", str(tmp_path / "3.json"))
+    assert third.returncode == 0, third.stdout[-3000:]
+    (stage3,) = json.loads((tmp_path / "3.json").read_text())["stages"]
+    assert stage3["cached"] and ray_jobs(services) == jobs_mid
+    assert client.get_run(stage3["mlflow_run_id"]).data.tags["alignflow.source_run_id"] == child.info.run_id
+
 
 def _wait_for_checkpoint(root_prefix: str, timeout: float = 300) -> str:
     deadline = time.time() + timeout

@@ -64,6 +64,7 @@ def total_steps(num_train: int, sft: SFTConfig) -> int:
 
 def main(cfg: PipelineConfig, output_uri: str | None = None) -> dict[str, Any]:
     # ------------------------------------------------------------------ setup
+    clock = Timer()
     sft = cfg.stage(Stage.SFT)
     key = stage_cache_key(cfg, Stage.SFT)
     out = output_uri or stage_output_uri(cfg, Stage.SFT, key)
@@ -92,6 +93,7 @@ def main(cfg: PipelineConfig, output_uri: str | None = None) -> dict[str, Any]:
         log.log(0, evaluate(strategy, data, sft.batch.micro_batch_size, tokenizer.pad_token_id), echo=True)
 
     # ------------------------------------------------------------------ train
+    timings = {"time/setup_s": clock.lap()}
     fail_at = int(os.environ.get(FAIL_AT_STEP_ENV, 0))
     for step in range(start, steps):
         metrics = train_step(strategy, data, step, sft, tokenizer.pad_token_id)
@@ -104,18 +106,19 @@ def main(cfg: PipelineConfig, output_uri: str | None = None) -> dict[str, Any]:
         if number == fail_at:
             raise InjectedFailure(f"{FAIL_AT_STEP_ENV}={fail_at}: failing after step {number}")
     log.close()
+    timings["time/train_s"] = clock.lap()
 
     # ------------------------------------------------------------------ publish
-    summary = publish_result(cfg, key, out, strategy, tokenizer, log, tracking, data, start)
+    summary = publish_result(cfg, key, out, strategy, tokenizer, log, tracking, data, start, timings)
     strategy.close()
     return {"stage": "sft", "uri": out, "cache_key": key, "cached": False, "metrics": summary, "resumed_from_step": start or None}
 
 
 def publish_result(cfg: PipelineConfig, key: str, out: str, strategy: Strategy, tokenizer, log: MetricsLog,
-                   tracking: StageTracking, data: SFTData, start: int) -> dict[str, float]:
+                   tracking: StageTracking, data: SFTData, start: int, timings: dict[str, float]) -> dict[str, float]:
     """HF model + config + metrics + curves + model card, manifest last; artifacts to MLflow."""
     sft = cfg.stage(Stage.SFT)
-    summary = log.summary()
+    summary = {**log.summary(), **timings}
     if log.history and log.history[0]["step"] == 0 and "eval/loss" in log.history[0]:
         summary["eval/loss_initial"] = log.history[0]["eval/loss"]
     fingerprints = data_inputs(sft)

@@ -1,0 +1,87 @@
+"""Orchestration overhead of `alignflow run` and the fully cached re-run time.
+
+Run: .venv/bin/python benchmarks/orchestration.py [--steps 60] [--json out.json]
+
+Starts a private Ray head on 127.0.0.1 (timed), then runs the tiny pipeline twice with
+`alignflow run` in a subprocess (Prefect's temporary server, MLflow on sqlite, storage in
+a temporary folder), reading the run summary each time:
+
+- task seconds: the stage task's wall time inside the flow (cache check, config upload,
+  job submission, log streaming, waiting, manifest verification, MLflow calls);
+- job seconds: the Ray job's wall time from submission to its terminal state;
+- stage compute: what the stage itself reports, `time/setup_s` (tokenizer, data, model,
+  DeepSpeed engine) + `time/train_s` (the training loop with its evals and checkpoints);
+- overhead = task seconds - stage compute: process start and imports in the job, Ray
+  job scheduling, publishing (the HF save, the manifest), and the orchestration itself.
+The second run is fully cached: no Ray job, so its time is the flow's own cost plus the
+command's start-up (imports, Prefect's temporary server).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def run_pipeline(env: dict[str, str], root: str, steps: int, out: Path) -> tuple[dict, float]:
+    cmd = [sys.executable, "-m", "alignflow.cli", "run", "configs/tiny.yaml", "--set", f"storage.root={root}",
+           "--set", f"sft.batch.max_steps={steps}", "--summary-json", str(out)]
+    start = time.time()
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    wall = time.time() - start
+    if proc.returncode:
+        raise SystemExit(f"alignflow run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return json.loads(out.read_text()), wall
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+
+    from alignflow.infra.services import remove_home, start_ray_head
+
+    work = Path(tempfile.mkdtemp(prefix="af-orch-"))
+    start = time.time()
+    head = start_ray_head()
+    ray_start = time.time() - start
+    env = {**os.environ, "ALIGNFLOW_RAY_ADDRESS": head.url, "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+           "PREFECT_HOME": str(work / "prefect")}
+    try:
+        first, first_wall = run_pipeline(env, str(work / "out"), args.steps, work / "first.json")
+        second, second_wall = run_pipeline(env, str(work / "out"), args.steps, work / "second.json")
+    finally:
+        head.stop()
+        remove_home(head)
+
+    rows = []
+    for stage in first["stages"]:
+        compute = stage["metrics"]["time/setup_s"] + stage["metrics"]["time/train_s"]
+        rows.append({"stage": stage["stage"], "task_s": stage["seconds"], "job_s": stage["job_seconds"],
+                     "compute_s": compute, "overhead_s": stage["seconds"] - compute})
+    cached = [{"stage": s["stage"], "cached": s["cached"], "task_s": s["seconds"]} for s in second["stages"]]
+    result = {"ray_head_start_s": ray_start, "first": {"command_s": first_wall, "flow_s": first["seconds"], "stages": rows},
+              "cached": {"command_s": second_wall, "flow_s": second["seconds"], "stages": cached}}
+    print(f"Ray head start-up: {ray_start:.1f}s")
+    print("| stage | task (s) | Ray job (s) | stage compute (s) | overhead (s) |\n|---|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['stage']} | {r['task_s']:.1f} | {r['job_s']:.1f} | {r['compute_s']:.1f} | {r['overhead_s']:.1f} |")
+    print(f"first run: command {first_wall:.1f}s, flow {first['seconds']:.1f}s")
+    print(f"cached re-run: command {second_wall:.1f}s, flow {second['seconds']:.1f}s, "
+          f"stages cached: {[s['cached'] for s in cached]}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
