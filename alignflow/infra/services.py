@@ -76,12 +76,21 @@ def stop_process_tree(pid: int, home: str, timeout: float) -> None:
             pass
 
 
-def _spawn(name: str, cmd: list[str], home: Path, env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
+def _launch(name: str, cmd: list[str], home: Path, env: dict[str, str], url: str, health: list[str], timeout: float) -> Service:
+    """Start `cmd` in its own session, logging to `home`, and wait until every health path answers;
+    a service that does not come up is stopped again before the error is raised."""
     log = home / f"{name}.log"
     with open(log, "ab") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True, env={**os.environ, **(env or {})})
-    return proc, str(log)
+                                start_new_session=True, env={**os.environ, **env})
+    service = Service(name, proc.pid, url, str(home), str(log))
+    try:
+        for path in health:
+            _wait_http(url + path, proc, str(log), timeout, name)
+    except BaseException:
+        service.stop()
+        raise
+    return service
 
 
 def _wait_http(url: str, proc: subprocess.Popen, log: str, timeout: float, name: str) -> None:
@@ -123,30 +132,7 @@ def start_ray_head(num_cpus: int | None = None, base: str | None = None, timeout
            f"--object-manager-port={free_port()}", f"--num-cpus={num_cpus or os.cpu_count() or 1}"]
     # The venv's bin first on PATH: a job's bare `python` is then this interpreter.
     env = {"PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}", "RAY_USAGE_STATS_ENABLED": "0"}
-    proc, log = _spawn("ray", cmd, home, env)
-    url = f"http://127.0.0.1:{dashboard}"
-    service = Service("ray", proc.pid, url, str(home), log)
-    try:
-        _wait_http(f"{url}/api/version", proc, log, timeout, "Ray head")
-        _wait_jobs_api(url, proc, log, timeout)
-    except BaseException:
-        service.stop()
-        raise
-    return service
-
-
-def _wait_jobs_api(url: str, proc: subprocess.Popen, log: str, timeout: float) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        try:
-            with urllib.request.urlopen(f"{url}/api/jobs/", timeout=5) as response:
-                json.loads(response.read() or b"[]")
-                return
-        except OSError:
-            if proc.poll() is not None:
-                raise ServiceError(f"Ray head exited while starting; log: {log}\n{_tail(log)}") from None
-            time.sleep(0.5)
-    raise ServiceError(f"Ray Jobs API did not answer at {url}; log: {log}")
+    return _launch("ray", cmd, home, env, f"http://127.0.0.1:{dashboard}", ["/api/version", "/api/jobs/"], timeout)
 
 
 def start_mlflow_server(artifacts: str, base: str | None = None, timeout: float = 120) -> Service:
@@ -158,14 +144,7 @@ def start_mlflow_server(artifacts: str, base: str | None = None, timeout: float 
            "--serve-artifacts", "--workers", "1"]
     endpoint = os.environ.get("ALIGNFLOW_S3_ENDPOINT_URL")
     env = {"MLFLOW_S3_ENDPOINT_URL": endpoint} if endpoint else {}
-    proc, log = _spawn("mlflow", cmd, home, env)
-    service = Service("mlflow", proc.pid, f"http://127.0.0.1:{port}", str(home), log)
-    try:
-        _wait_http(f"{service.url}/health", proc, log, timeout, "MLflow server")
-    except BaseException:
-        service.stop()
-        raise
-    return service
+    return _launch("mlflow", cmd, home, env, f"http://127.0.0.1:{port}", ["/health"], timeout)
 
 
 def start_prefect_server(base: str | None = None, timeout: float = 180) -> Service:
@@ -175,14 +154,7 @@ def start_prefect_server(base: str | None = None, timeout: float = 180) -> Servi
     env = {"PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
            "PREFECT_API_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{home}/prefect.db"}
     cmd = [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)]
-    proc, log = _spawn("prefect", cmd, home, env)
-    service = Service("prefect", proc.pid, f"http://127.0.0.1:{port}/api", str(home), log)
-    try:
-        _wait_http(f"{service.url}/health", proc, log, timeout, "Prefect server")
-    except BaseException:
-        service.stop()
-        raise
-    return service
+    return _launch("prefect", cmd, home, env, f"http://127.0.0.1:{port}/api", ["/health"], timeout)
 
 
 # ------------------------------------------------------------------ persistent services (`alignflow services up/down`)
