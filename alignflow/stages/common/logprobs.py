@@ -17,3 +17,12 @@ def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tenso
     targets = input_ids[:, 1:]
     nll = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), reduction="none")
     return -nll.view_as(targets)
+
+
+def sequence_logprobs(token_logps: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    """Sum of response-token log-probs per row: (B, T-1) log-probs, (B, T) response mask -> (B,).
+
+    The mask is over input positions (1 = response token); token t+1 is predicted at t.
+    A row whose mask selects nothing sums to 0.
+    """
+    return (token_logps * loss_mask[:, 1:].to(token_logps.dtype)).sum(-1)
