@@ -69,7 +69,7 @@ def _services_for(cfg):
     """Use what is configured or already up (`alignflow services up`); start a private Ray head otherwise."""
     from alignflow.infra import services
 
-    up = {s.name: s for s in services.load_services()}
+    up = {s.name: s for s in services.load_services() if s.alive()}  # a stale state file is ignored
     if "prefect" in up and "PREFECT_API_URL" not in os.environ:
         os.environ["PREFECT_API_URL"] = up["prefect"].url
     if "mlflow" in up and not cfg.tracking.uri and "MLFLOW_TRACKING_URI" not in os.environ:
@@ -139,7 +139,7 @@ def services_up(
     """Start a Ray head, a Prefect server and an MLflow server (with UIs) on 127.0.0.1."""
     from alignflow.infra import services
 
-    if services.load_services():
+    if any(svc.alive() for svc in services.load_services()):
         typer.echo("services are already up (alignflow services down first):", err=True)
         services_status()
         raise typer.Exit(1)

@@ -52,10 +52,11 @@ def alignment(config: PipelineConfig) -> dict[str, Any]:
     log = get_run_logger()
     _stop_jobs_on_sigterm()
     started = time.time()
+    address = ray_address(config)  # fails before any MLflow run is opened
     tracker = Tracker(config)
     flow_run_id = _flow_run_id()
     parent = tracker.start_parent(flow_run_id)
-    ctx = RunContext(ray_address=ray_address(config), parent_run_id=parent, flow_run_id=flow_run_id)
+    ctx = RunContext(ray_address=address, parent_run_id=parent, flow_run_id=flow_run_id)
     results: list[StageResult] = []
     try:
         for stage in config.pipeline.stages:

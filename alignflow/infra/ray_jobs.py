@@ -61,18 +61,16 @@ def run_job(
 
     jobs = client(address)
     job_id = f"alignflow-{name}-{uuid.uuid4().hex[:8]}"
-    jobs.submit_job(entrypoint=entrypoint, submission_id=job_id, runtime_env={"env_vars": env},
-                    metadata={"alignflow.stage": name})
-    ACTIVE[job_id] = address
-    on_submit(job_id)
-    start, seen, finished = time.time(), 0, False
+    ACTIVE[job_id] = address  # before submitting: a signal during submission still stops it
+    start, finished, tail = time.time(), False, LogTail()
     try:
+        jobs.submit_job(entrypoint=entrypoint, submission_id=job_id, runtime_env={"env_vars": env},
+                        metadata={"alignflow.stage": name})
+        on_submit(job_id)
         while True:
-            status = jobs.get_job_status(job_id)
-            log = jobs.get_job_logs(job_id)
-            for line in log[seen:].splitlines():
+            status, log = _poll(jobs, job_id)
+            for line in tail.new_lines(log):
                 on_log(line)
-            seen = len(log)
             if status.is_terminal():
                 finished = True
                 break
@@ -83,11 +81,38 @@ def run_job(
         if not finished:
             stop(jobs, job_id)
         ACTIVE.pop(job_id, None)
-    log = jobs.get_job_logs(job_id)
+    for line in tail.new_lines(log + "\n"):
+        on_log(line)
     if status != JobStatus.SUCCEEDED:
         info = jobs.get_job_info(job_id)
         raise failure(job_id, str(status), info.message or "", log)
     return JobOutcome(job_id, time.time() - start, log)
+
+
+class LogTail:
+    """Hands out each complete log line once (a partial last line waits for its newline)."""
+
+    def __init__(self) -> None:
+        self.done = 0
+
+    def new_lines(self, log: str) -> list[str]:
+        end = log.rfind("\n", self.done) + 1
+        if end <= self.done:
+            return []
+        lines, self.done = log[self.done:end].splitlines(), end
+        return lines
+
+
+def _poll(jobs, job_id: str, attempts: int = 5):
+    """Status and log, riding out a few transient Jobs API errors (a dashboard restart, a timeout)
+    rather than stopping a healthy job over them."""
+    for attempt in range(attempts):
+        try:
+            return jobs.get_job_status(job_id), jobs.get_job_logs(job_id)
+        except Exception:
+            if attempt == attempts - 1:
+                raise
+            time.sleep(2 ** attempt)
 
 
 def failure(job_id: str, status: str, message: str, log: str) -> StageJobError:

@@ -36,19 +36,29 @@ class Service:
     url: str
     home: str  # private folder: logs, temp dir, database
     log: str
+    started_at: float = 0.0  # the process's create time: a recycled pid is never signalled
+
+    def alive(self) -> bool:
+        import psutil
+
+        try:
+            return abs(psutil.Process(self.pid).create_time() - self.started_at) < 1.0
+        except psutil.NoSuchProcess:
+            return False
 
     def stop(self, timeout: float = 20.0) -> None:
-        stop_process_tree(self.pid, self.home, timeout)
+        stop_process_tree(self.pid if self.alive() else None, self.home, timeout)
 
 
-def stop_process_tree(pid: int, home: str, timeout: float) -> None:
+def stop_process_tree(pid: int | None, home: str, timeout: float) -> None:
     """Stop a service by its own pid: SIGINT to it, SIGTERM to its process group, then SIGKILL
     to what is left of it and of any process whose command line names its private folder."""
     import psutil
 
     def ours() -> list[psutil.Process]:
         try:
-            os.waitpid(pid, os.WNOHANG)  # reap our own child, or it lingers as a zombie
+            if pid is not None:
+                os.waitpid(pid, os.WNOHANG)  # reap our own child, or it lingers as a zombie
         except ChildProcessError:
             pass
         found = []
@@ -66,7 +76,8 @@ def stop_process_tree(pid: int, home: str, timeout: float) -> None:
     # (a Ray head ignores SIGTERM for a long while); then SIGTERM to the group; then SIGKILL.
     for send in (lambda: os.kill(pid, signal.SIGINT), lambda: os.killpg(pid, signal.SIGTERM)):
         try:
-            send()
+            if pid is not None:
+                send()
         except (ProcessLookupError, PermissionError):
             pass
         deadline = time.time() + timeout / 2
@@ -86,7 +97,9 @@ def _launch(name: str, cmd: list[str], home: Path, env: dict[str, str], url: str
     with open(log, "ab") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True, env={**os.environ, **env})
-    service = Service(name, proc.pid, url, str(home), str(log))
+    import psutil
+
+    service = Service(name, proc.pid, url, str(home), str(log), psutil.Process(proc.pid).create_time())
     try:
         for path in health:
             _wait_http(url + path, proc, str(log), timeout, name)

@@ -58,7 +58,7 @@ def prefect_cache_key(context: Any, params: dict[str, Any]) -> str | None:
     another tracking server could answer."""
     config, stage = params["config"], Stage(params["stage"])
     uri = stage_output_uri(config, stage, stage_key(config, stage, params.get("upstream") or {}))
-    published = manifest.read_manifest(uri)
+    published = manifest.verify(uri, check_hashes=False)  # sizes only: cheap, and catches a damaged folder
     if published is None:
         return None
     identity = f"{uri}|{published.digest}|{published.meta.get('mlflow_run_id')}"
@@ -96,27 +96,33 @@ def run_stage(config: PipelineConfig, stage: Stage, upstream: dict[str, StageRes
         return result_from_manifest(stage, uri, key, done, time.time() - start, cached=True, run_id=run_id)
 
     run_id = tracker.start_child(ctx.parent_run_id, stage.value, key, ctx.flow_run_id)
+    try:
+        outcome, published = _run_job(config, stage, uri, run_id, tracker, ctx)
+    except BaseException:
+        tracker.finish(run_id, ok=False)  # no child run is left RUNNING, whatever failed
+        raise
+    tracker.finish(run_id, ok=True)
+    result = result_from_manifest(stage, uri, key, published, time.time() - start, cached=False, run_id=run_id)
+    return result.model_copy(update={"job_seconds": outcome.seconds, "ray_job_id": outcome.job_id})
+
+
+def _run_job(config: PipelineConfig, stage: Stage, uri: str, run_id: str, tracker: Tracker,
+             ctx: RunContext) -> tuple[ray_jobs.JobOutcome, manifest.Manifest]:
+    log = get_run_logger()
     config_uri = storage.join(uri, "job", "config.yaml")
     storage.write_text(config_uri, dump_config(config))
     env = {k: v for k, v in os.environ.items() if k.startswith(PASSTHROUGH_PREFIXES)}
     env.update({"MLFLOW_TRACKING_URI": tracker.uri, RUN_ID_ENV: run_id})
     entry = ray_jobs.stage_entrypoint(stage.module, config_uri, uri)
     log.info("%s: submitting Ray job to %s: %s", stage.value, ctx.ray_address, entry)
-    try:
-        outcome = ray_jobs.run_job(
-            ctx.ray_address, entry, env, stage.value, config.ray.job_timeout_s, on_log=lambda line: log.info("%s", line),
-            on_submit=lambda job_id: tracker.set_tag(run_id, "ray.job_id", job_id),
-        )
-    except BaseException:
-        tracker.finish(run_id, ok=False)
-        raise
+    outcome = ray_jobs.run_job(
+        ctx.ray_address, entry, env, stage.value, config.ray.job_timeout_s, on_log=lambda line: log.info("%s", line),
+        on_submit=lambda job_id: tracker.set_tag(run_id, "ray.job_id", job_id),
+    )
     published = manifest.verify(uri)
     if published is None:
-        tracker.finish(run_id, ok=False)
         raise RuntimeError(f"{stage.value}: job {outcome.job_id} succeeded but {uri} has no verified manifest")
-    tracker.finish(run_id, ok=True)
-    result = result_from_manifest(stage, uri, key, published, time.time() - start, cached=False, run_id=run_id)
-    return result.model_copy(update={"job_seconds": outcome.seconds, "ray_job_id": outcome.job_id})
+    return outcome, published
 
 
 def result_from_manifest(stage: Stage, uri: str, key: str, published: manifest.Manifest, seconds: float,

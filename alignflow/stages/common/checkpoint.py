@@ -88,6 +88,8 @@ class Checkpointer:
             # Manifest first: a half-deleted folder must never look complete.
             storage.remove(storage.join(uri, manifest.CHECKPOINT_MANIFEST))
             storage.remove(uri)
+            if not storage.is_local(self.root):
+                shutil.rmtree(self.local_root / tag(old), ignore_errors=True)  # the staged copy too
 
     def complete_steps(self, check_hashes: bool = True) -> list[int]:
         steps = []

@@ -44,6 +44,9 @@ def publish(
     of every published file, the manifest included.
     """
     local = storage.local_path(stage_uri) if storage.is_local(stage_uri) else staging / "publish"
+    if strategy.is_main:
+        # A stale MANIFEST.json left here by an earlier publish must not be uploaded with the files.
+        (local / manifest.STAGE_MANIFEST).unlink(missing_ok=True)
     local.mkdir(parents=True, exist_ok=True)
     save_hf_model(strategy, tokenizer, local / "model")
     result = None

@@ -6,9 +6,12 @@ by hand logs to stdout and metrics.json only. Metrics are sent in batches.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 RUN_ID_ENV = "ALIGNFLOW_MLFLOW_RUN_ID"  # same name as alignflow.infra.tracking.RUN_ID_ENV
 
@@ -35,10 +38,15 @@ class StageTracking:
             self.flush()
 
     def flush(self) -> None:
-        if self.client and self._buffer:
+        """Send buffered metrics. Tracking trouble (an MLflow outage) is logged, never fatal to training."""
+        if not (self.client and self._buffer):
+            return
+        try:
             for i in range(0, len(self._buffer), 1000):
                 self.client.log_batch(self.run_id, metrics=self._buffer[i:i + 1000])
-            self._buffer = []
+        except Exception as exc:
+            log.warning("could not send %d metrics to MLflow run %s: %s", len(self._buffer), self.run_id, exc)
+        self._buffer = []
 
     def log_artifacts(self, files: list[Path]) -> None:
         if not self.client:
@@ -46,7 +54,10 @@ class StageTracking:
         self.flush()
         for path in files:
             if path.exists():
-                self.client.log_artifact(self.run_id, str(path))
+                try:
+                    self.client.log_artifact(self.run_id, str(path))
+                except Exception as exc:
+                    log.warning("could not log artifact %s to MLflow run %s: %s", path.name, self.run_id, exc)
 
 
 def plot_curves(history: list[dict[str, float]], keys: list[str], path: Path) -> Path:

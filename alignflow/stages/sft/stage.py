@@ -89,6 +89,8 @@ def main(cfg: PipelineConfig, output_uri: str | None = None) -> dict[str, Any]:
     log = MetricsLog(strategy.is_main, steps, sft.logging.progress, "tokens_per_s", history)
     tracking = StageTracking(strategy.is_main)
     log.add_sink(tracking.log_metrics)
+    for record in history:  # a resumed attempt runs under a new MLflow run: give it the whole curve
+        tracking.log_metrics(int(record["step"]), {k: v for k, v in record.items() if k != "step"})
     if start == 0:
         log.log(0, evaluate(strategy, data, sft.batch.micro_batch_size, tokenizer.pad_token_id), echo=True)
 

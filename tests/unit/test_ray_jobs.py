@@ -1,0 +1,18 @@
+from alignflow.infra.ray_jobs import LogTail, failure
+
+
+def test_log_tail_hands_out_complete_lines_once():
+    tail = LogTail()
+    assert tail.new_lines("a\nb") == ["a"]  # "b" has no newline yet
+    assert tail.new_lines("a\nb") == []
+    assert tail.new_lines("a\nbc\nd\n") == ["bc", "d"]
+    assert tail.new_lines("a\nbc\nd\n") == []
+
+
+def test_bad_input_exit_code_is_not_retryable():
+    bad = failure("j1", "FAILED", "Job entrypoint command failed with exit code 2, last available logs ...", "x\nerror: bad row")
+    assert not bad.retryable and "bad input (not retried)" in str(bad) and "error: bad row" in str(bad)
+    died = failure("j2", "FAILED", "Job entrypoint command failed with exit code 1", "Traceback ...")
+    assert died.retryable
+    stopped = failure("j3", "STOPPED", "Job was intentionally stopped.", "")
+    assert stopped.retryable
