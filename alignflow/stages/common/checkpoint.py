@@ -101,11 +101,16 @@ class Checkpointer:
         return sorted(steps)
 
     def latest(self) -> int | None:
-        """Newest verified step (decided on rank 0 and shared, so all ranks load the same one)."""
+        """Newest verified step, decided on rank 0 and shared so all ranks load the same one.
+        Checked newest first, stopping at the first that verifies: older ones are not hashed."""
         step = None
         if self.strategy.is_main:
-            steps = self.complete_steps()
-            step = steps[-1] if steps else None
+            names = sorted((n for n in storage.list_dirs(self.root) if n.startswith(PREFIX)), reverse=True)
+            for name in names:
+                if manifest.verify(storage.join(self.root, name), manifest.CHECKPOINT_MANIFEST):
+                    step = int(name[len(PREFIX):])
+                    break
+                log.warning("skipping checkpoint %s: no verified manifest (truncated or corrupt)", name)
         return self.strategy.broadcast_object(step)
 
     def load(self, step: int) -> dict[str, Any]:
