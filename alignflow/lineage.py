@@ -24,10 +24,12 @@ def data_inputs(stage_cfg) -> dict[str, str]:
     return {name: storage.fingerprint(src) for name, src in data_sources(stage_cfg).items()}
 
 
-def stage_cache_key(cfg: PipelineConfig, stage: Stage, upstream: dict[str, str] | None = None) -> str:
-    """hash(stage config hash, data fingerprints, upstream manifest digests, alignflow version)."""
+def stage_cache_key(cfg: PipelineConfig, stage: Stage, upstream: dict[str, str] | None = None,
+                    data: dict[str, str] | None = None) -> str:
+    """hash(stage config hash, data fingerprints, upstream manifest digests, alignflow version).
+    `data`: the stage's `data_inputs`, when the caller has them already (hashing data is not free)."""
     section = cfg.stage(stage)
-    inputs = data_inputs(section)
+    inputs = dict(data) if data is not None else data_inputs(section)
     inputs.update({f"upstream:{name}": digest for name, digest in (upstream or {}).items()})
     return manifest.cache_key(section.config_hash(), inputs)
 

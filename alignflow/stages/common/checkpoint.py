@@ -82,7 +82,7 @@ class Checkpointer:
         self.strategy.barrier()
 
     def _prune(self) -> None:
-        steps = self.complete_steps(check_hashes=False)
+        steps = self._published_steps()
         for old in steps[: -self.keep_last]:
             uri = storage.join(self.root, tag(old))
             # Manifest first: a half-deleted folder must never look complete.
@@ -91,14 +91,11 @@ class Checkpointer:
             if not storage.is_local(self.root):
                 shutil.rmtree(self.local_root / tag(old), ignore_errors=True)  # the staged copy too
 
-    def complete_steps(self, check_hashes: bool = True) -> list[int]:
-        steps = []
-        for name in storage.list_dirs(self.root):
-            if name.startswith(PREFIX) and manifest.verify(storage.join(self.root, name), manifest.CHECKPOINT_MANIFEST, check_hashes):
-                steps.append(int(name[len(PREFIX):]))
-            elif name.startswith(PREFIX):
-                log.warning("skipping checkpoint %s: no verified manifest (truncated or corrupt)", name)
-        return sorted(steps)
+    def _published_steps(self) -> list[int]:
+        """Steps whose checkpoint has a manifest (pruning needs no hashing)."""
+        names = [n for n in storage.list_dirs(self.root) if n.startswith(PREFIX)]
+        return sorted(int(n[len(PREFIX):]) for n in names
+                      if manifest.read_manifest(storage.join(self.root, n), manifest.CHECKPOINT_MANIFEST) is not None)
 
     def latest(self) -> int | None:
         """Newest verified step, decided on rank 0 and shared so all ranks load the same one.

@@ -11,9 +11,10 @@ import os
 import time
 from pathlib import Path
 
+from alignflow.infra.tracking import RUN_ID_ENV  # set by the stage task
+
 log = logging.getLogger(__name__)
 
-RUN_ID_ENV = "ALIGNFLOW_MLFLOW_RUN_ID"  # same name as alignflow.infra.tracking.RUN_ID_ENV
 
 
 class StageTracking:

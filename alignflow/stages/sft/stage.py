@@ -66,7 +66,8 @@ def main(cfg: PipelineConfig, output_uri: str | None = None) -> dict[str, Any]:
     # ------------------------------------------------------------------ setup
     clock = Timer()
     sft = cfg.stage(Stage.SFT)
-    key = stage_cache_key(cfg, Stage.SFT)
+    fingerprints = data_inputs(sft)  # hashed once: the cache key and the manifest both use it
+    key = stage_cache_key(cfg, Stage.SFT, data=fingerprints)
     out = output_uri or stage_output_uri(cfg, Stage.SFT, key)
     done = manifest.verify(out)
     if done is not None:
@@ -111,19 +112,18 @@ def main(cfg: PipelineConfig, output_uri: str | None = None) -> dict[str, Any]:
     timings["time/train_s"] = clock.lap()
 
     # ------------------------------------------------------------------ publish
-    summary = publish_result(cfg, key, out, strategy, tokenizer, log, tracking, data, start, timings)
+    summary = publish_result(cfg, key, fingerprints, out, strategy, tokenizer, log, tracking, data, start, timings)
     strategy.close()
     return {"stage": "sft", "uri": out, "cache_key": key, "cached": False, "metrics": summary, "resumed_from_step": start or None}
 
 
-def publish_result(cfg: PipelineConfig, key: str, out: str, strategy: Strategy, tokenizer, log: MetricsLog,
+def publish_result(cfg: PipelineConfig, key: str, fingerprints: dict[str, str], out: str, strategy: Strategy, tokenizer, log: MetricsLog,
                    tracking: StageTracking, data: SFTData, start: int, timings: dict[str, float]) -> dict[str, float]:
     """HF model + config + metrics + curves + model card, manifest last; artifacts to MLflow."""
     sft = cfg.stage(Stage.SFT)
     summary = {**log.summary(), **timings}
     if log.history and log.history[0]["step"] == 0 and "eval/loss" in log.history[0]:
         summary["eval/loss_initial"] = log.history[0]["eval/loss"]
-    fingerprints = data_inputs(sft)
     staging = staging_dir(key)
     files: dict[str, str | bytes] = {}
     if strategy.is_main:
