@@ -36,6 +36,8 @@ def stage(
     config: ConfigOpt,
     overrides: SetOpt = None,
     output: Annotated[Optional[str], typer.Option(help="publish here instead of the cache-keyed stage folder")] = None,
+    input: Annotated[Optional[list[str]], typer.Option("--input", help="STAGE=URI: a published upstream output to start "
+                                                       "from (default: found from the config)")] = None,
     nproc: Annotated[int, typer.Option(help="worker processes on this machine (torchrun)")] = 1,
     summary_json: Annotated[Optional[Path], typer.Option(help="write the stage summary as JSON here")] = None,
 ) -> None:
@@ -43,6 +45,7 @@ def stage(
     _load(config, overrides)  # fail on a bad config before any process starts
     args = ["--config", str(config), *[a for o in overrides or [] for a in ("--set", o)]]
     args += ["--output", output] if output else []
+    args += [a for item in input or [] for a in ("--input", item)]
     args += ["--summary-json", str(summary_json)] if summary_json else []
     if nproc > 1:
         torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or "torchrun"

@@ -43,16 +43,21 @@ class ModelConfig(Frozen):
     gradient_checkpointing: bool = False
 
 
-class DataConfig(Frozen):
+class BaseModelConfig(ModelConfig):
+    """The model a later stage starts from. Unset: the output of the stage before it in the
+    pipeline (or `--input sft=URI` when the stage is run by hand)."""
+
+    name_or_path: str | None = Field(None, description="Unset: the upstream stage's published model.")
+
+
+class DataSource(Frozen):
+    """Where a stage's rows come from and how they are cut; every stage's data config extends it."""
+
     path: str = Field(..., description="JSONL/Parquet file, a local HF dataset folder, or a `datasets` name.", json_schema_extra=NOT_RESULT)
     split: str = "train"
-    input_key: str = Field("prompt", description="Prompt column (input/output format).")
-    output_key: str = Field("response", description="Response column (input/output format).")
-    messages_key: str | None = Field(None, description="Column with a chat `messages` list; overrides input/output keys.")
     eval_path: str | None = Field(None, description="Held-out file; without it `eval_fraction` of the rows is held out.", json_schema_extra=NOT_RESULT)
     eval_fraction: float = Field(0.05, ge=0.0, lt=1.0)
     max_len: int = Field(128, ge=8, description="Tokens per sample (or per packed row); longer responses are truncated.")
-    packing: bool = Field(False, description="Pack samples into rows of max_len; attention is block-diagonal per sample.")
     on_bad_row: Literal["error", "skip"] = Field("error", description="Bad rows stop the run, or are skipped and counted.")
     max_samples: int | None = Field(None, ge=1)
 
@@ -69,6 +74,32 @@ class DataConfig(Frozen):
         if p.suffix in DATA_SUFFIXES or v.startswith((".", "/", "~")):
             raise ValueError(f"data file not found: {v!r} (relative paths are resolved against {Path.cwd()})")
         return v  # a `datasets` hub name
+
+
+class DataConfig(DataSource):
+    """SFT rows: prompt/response columns, or a chat `messages` column."""
+
+    input_key: str = Field("prompt", description="Prompt column (input/output format).")
+    output_key: str = Field("response", description="Response column (input/output format).")
+    messages_key: str | None = Field(None, description="Column with a chat `messages` list; overrides input/output keys.")
+    packing: bool = Field(False, description="Pack samples into rows of max_len; attention is block-diagonal per sample.")
+
+
+class PreferenceDataConfig(DataSource):
+    """Pairs for rm and dpo: a prompt, a chosen and a rejected response (plain strings)."""
+
+    prompt_key: str = "prompt"
+    chosen_key: str = "chosen"
+    rejected_key: str = "rejected"
+    margin_key: str | None = Field(None, description="Optional per-pair margin column (rm with the sigmoid loss).")
+
+
+class KTODataConfig(DataSource):
+    """Unpaired rows for kto: a prompt, a completion and a boolean label (true = desirable)."""
+
+    prompt_key: str = "prompt"
+    completion_key: str = "completion"
+    label_key: str = "label"
 
 
 class OptimConfig(Frozen):
@@ -135,7 +166,7 @@ class Stage(str, enum.Enum):
         return self in IMPLEMENTED_STAGES
 
 
-IMPLEMENTED_STAGES = frozenset({Stage.SFT})
+IMPLEMENTED_STAGES = frozenset({Stage.SFT, Stage.RM, Stage.DPO, Stage.KTO})
 
 
 class Pipeline(str, enum.Enum):
@@ -157,6 +188,15 @@ class Pipeline(str, enum.Enum):
             Pipeline.KTO: (Stage.SFT, Stage.KTO),
         }[self]
 
+    def inputs(self, stage: Stage) -> tuple[Stage, ...]:
+        """The earlier stages whose published output `stage` consumes; the first is the model it starts from.
+        (RL in `full` starts from SFT and scores with the reward model.)"""
+        if stage not in self.stages or stage == self.stages[0]:
+            return ()
+        if stage == Stage.RL and self == Pipeline.FULL:
+            return (Stage.SFT, Stage.RM)
+        return (Stage.SFT,)
+
 
 class RayConfig(Frozen):
     address: str | None = Field(None, description="Ray dashboard/Jobs API URL (http://host:8265) of an existing cluster; "
@@ -173,9 +213,10 @@ class TrackingConfig(Frozen):
     register_model: bool = Field(True, description="Register the final model in the MLflow Model Registry (alias `candidate`).")
 
 
-class SFTConfig(Frozen):
+class TrainingSection(Frozen):
+    """What every training stage has: model, optimizer, batch, DeepSpeed, checkpoints, logging."""
+
     model: ModelConfig = ModelConfig()
-    data: DataConfig
     optim: OptimConfig = OptimConfig()
     batch: BatchConfig = BatchConfig()
     deepspeed: DeepSpeedConfig = DeepSpeedConfig()
@@ -183,7 +224,7 @@ class SFTConfig(Frozen):
     logging: LoggingConfig = LoggingConfig()
 
     @model_validator(mode="after")
-    def _batch_divides(self) -> "SFTConfig":
+    def _batch_divides(self) -> "TrainingSection":
         if self.batch.global_batch_size % self.batch.micro_batch_size:
             raise ValueError(
                 f"batch.global_batch_size ({self.batch.global_batch_size}) must be a multiple of "
@@ -195,25 +236,97 @@ class SFTConfig(Frozen):
         return stable_hash(result_fields(self))
 
 
+class SFTConfig(TrainingSection):
+    data: DataConfig
+
+
+class RMConfig(TrainingSection):
+    """Reward model: a causal LM backbone with a scalar head, trained on preference pairs."""
+
+    model: BaseModelConfig = BaseModelConfig()
+    data: PreferenceDataConfig
+    loss: Literal["sigmoid", "logexp"] = Field("sigmoid", description="-log σ(r_c - r_r - margin) or log(1 + exp(r_r - r_c)).")
+
+    @model_validator(mode="after")
+    def _margin_needs_sigmoid(self) -> "RMConfig":
+        if self.data.margin_key and self.loss != "sigmoid":
+            raise ValueError(f"data.margin_key={self.data.margin_key!r} needs loss: sigmoid, not {self.loss!r}")
+        return self
+
+
+class DPOConfig(TrainingSection):
+    """DPO / cDPO / IPO against a frozen reference (the starting model)."""
+
+    model: BaseModelConfig = BaseModelConfig()
+    data: PreferenceDataConfig
+    loss: Literal["dpo", "ipo"] = "dpo"
+    beta: float = Field(0.1, gt=0, description="Strength of the implicit KL constraint.")
+    label_smoothing: float = Field(0.0, ge=0.0, lt=0.5, description="cDPO: assumed probability that a label is flipped (dpo only).")
+    nll_weight: float = Field(0.0, ge=0.0, description="Weight of a token-mean NLL term on the chosen response (0 = off).")
+
+    @model_validator(mode="after")
+    def _smoothing_needs_dpo(self) -> "DPOConfig":
+        if self.label_smoothing and self.loss != "dpo":
+            raise ValueError(f"label_smoothing={self.label_smoothing} is cDPO: it needs loss: dpo, not {self.loss!r}")
+        return self
+
+
+class KTOConfig(TrainingSection):
+    """KTO on unpaired desirable / undesirable completions."""
+
+    model: BaseModelConfig = BaseModelConfig()
+    data: KTODataConfig
+    beta: float = Field(0.1, gt=0)
+    desirable_weight: float = Field(1.0, gt=0, description="λ_D; the paper advises λ_D·n_D / (λ_U·n_U) in [1, 4/3].")
+    undesirable_weight: float = Field(1.0, gt=0, description="λ_U")
+
+    @model_validator(mode="after")
+    def _batch_has_a_mismatch(self) -> "KTOConfig":
+        if self.batch.global_batch_size < 2:
+            raise ValueError("batch.global_batch_size must be >= 2: the KL reference point pairs each prompt with another row's completion")
+        return self
+
+
 class PipelineConfig(Frozen):
     name: str = Field("alignment", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", json_schema_extra=NOT_RESULT)
     pipeline: Pipeline = Field(Pipeline.SFT, description="sft | full (SFT -> RM -> PPO) | grpo | dpo | kto")
     storage: StorageConfig = Field(default_factory=StorageConfig, json_schema_extra=NOT_RESULT)
     ray: RayConfig = Field(default_factory=RayConfig, json_schema_extra=NOT_RESULT)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig, json_schema_extra=NOT_RESULT)
+    stop_after: Stage | None = Field(None, description="Run the pipeline up to and including this stage.", json_schema_extra=NOT_RESULT)
     sft: SFTConfig | None = None
+    rm: RMConfig | None = None
+    dpo: DPOConfig | None = None
+    kto: KTOConfig | None = None
+
+    @property
+    def stages(self) -> tuple[Stage, ...]:
+        """The stages this config runs: the pipeline's, cut at `stop_after`."""
+        stages = self.pipeline.stages
+        return stages[: stages.index(self.stop_after) + 1] if self.stop_after in stages else stages
 
     @model_validator(mode="after")
     def _stages_available(self) -> "PipelineConfig":
-        for stage in self.pipeline.stages:
+        if self.stop_after is not None and self.stop_after not in self.pipeline.stages:
+            raise ValueError(f"stop_after={self.stop_after.value!r} is not a stage of pipeline {self.pipeline.value!r} "
+                             f"({' -> '.join(s.value for s in self.pipeline.stages)})")
+        for stage in self.stages:
             if not stage.implemented:
                 done = ", ".join(s.value for s in Stage if s.implemented)
                 raise ValueError(
                     f"pipeline {self.pipeline.value!r} needs stage {stage.value!r}, which this version of alignflow "
                     f"does not implement yet (implemented: {done})"
                 )
-            if getattr(self, stage.value, None) is None:
+            section = getattr(self, stage.value, None)
+            if section is None:
                 raise ValueError(f"pipeline {self.pipeline.value!r} needs a `{stage.value}` section")
+            inputs = self.pipeline.inputs(stage)
+            if inputs and section.model.name_or_path is not None:
+                raise ValueError(
+                    f"{stage.value}.model.name_or_path={section.model.name_or_path!r}: in pipeline {self.pipeline.value!r} "
+                    f"the {stage.value} stage starts from the {inputs[0].value} stage's output; leave it unset "
+                    f"(set it only to run `alignflow stage {stage.value}` on its own from another model)"
+                )
         return self
 
     def stage(self, stage: Stage) -> Any:

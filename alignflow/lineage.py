@@ -7,7 +7,7 @@ result lives: `{storage.root}/{pipeline}/{stage}/{cache_key}/`.
 
 from __future__ import annotations
 
-from alignflow.config import PipelineConfig, Stage
+from alignflow.config import ConfigError, PipelineConfig, Stage
 from alignflow.infra import manifest, storage
 
 
@@ -36,3 +36,31 @@ def stage_cache_key(cfg: PipelineConfig, stage: Stage, upstream: dict[str, str] 
 
 def stage_output_uri(cfg: PipelineConfig, stage: Stage, key: str) -> str:
     return manifest.stage_uri(cfg.storage.root, cfg.name, stage.value, key)
+
+
+def input_digests(inputs: dict[str, str]) -> dict[str, str]:
+    """Manifest digest of each named upstream output; one that is not published is an error."""
+    out = {}
+    for name, uri in inputs.items():
+        published = manifest.verify(uri, check_hashes=False)
+        if published is None:
+            raise ConfigError(f"input {name}={uri}: no published stage output there (no MANIFEST.json that verifies)")
+        out[name] = published.digest
+    return out
+
+
+def locate_inputs(cfg: PipelineConfig, stage: Stage) -> dict[str, str]:
+    """Where the upstream outputs `stage` consumes are published, found from the config alone:
+    each upstream stage's cache key is computed (recursively) and its manifest looked up. This
+    is how `alignflow stage rm --config full.yaml` finds the SFT model `alignflow stage sft` made."""
+    found = {}
+    for up in cfg.pipeline.inputs(stage):
+        upstream = locate_inputs(cfg, up)
+        uri = stage_output_uri(cfg, up, stage_cache_key(cfg, up, input_digests(upstream)))
+        if manifest.verify(uri, check_hashes=False) is None:
+            raise ConfigError(
+                f"stage {stage.value!r} starts from the {up.value} stage's output, which is not published at {uri}: "
+                f"run `alignflow stage {up.value}` (or the whole pipeline) first, or pass --input {up.value}=URI"
+            )
+        found[up.value] = uri
+    return found

@@ -1,6 +1,7 @@
 """The Prefect flow `alignment`: the config's pipeline, stage after stage, each a Ray job.
 
-Each stage's input is the published output of the stage before it. The flow
+Each stage's inputs are published outputs of earlier stages (`Pipeline.inputs`: RM,
+DPO and KTO start from SFT; RL in `full` also scores with RM). The flow
 opens the MLflow parent run, runs the stages through the stage task (cache
 hits cost no Ray job), registers the final model with alias `candidate`, and
 returns a summary. Killing the flow's process stops the stage job it waits on.
@@ -59,8 +60,9 @@ def alignment(config: PipelineConfig) -> dict[str, Any]:
     ctx = RunContext(ray_address=address, parent_run_id=parent, flow_run_id=flow_run_id)
     results: list[StageResult] = []
     try:
-        for stage in config.pipeline.stages:
-            upstream = {results[-1].stage: results[-1]} if results else {}
+        for stage in config.stages:
+            done = {r.stage: r for r in results}
+            upstream = {up.value: done[up.value] for up in config.pipeline.inputs(stage)}
             task = run_stage.with_options(retries=config.ray.retries, retry_delay_seconds=config.ray.retry_delay_s)
             state = task(config, stage, upstream, ctx, return_state=True)
             results.append(_stage_result(state, tracker, ctx, stage))

@@ -41,8 +41,9 @@ def client(address: str):
     return JobSubmissionClient(address)
 
 
-def stage_entrypoint(module: str, config_uri: str, output_uri: str) -> str:
-    return shlex.join([sys.executable, "-u", "-m", module, "--config", config_uri, "--output", output_uri])
+def stage_entrypoint(module: str, config_uri: str, output_uri: str, inputs: dict[str, str] | None = None) -> str:
+    inputs_args = [a for name, uri in (inputs or {}).items() for a in ("--input", f"{name}={uri}")]
+    return shlex.join([sys.executable, "-u", "-m", module, "--config", config_uri, "--output", output_uri, *inputs_args])
 
 
 def run_job(

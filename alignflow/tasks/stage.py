@@ -97,7 +97,7 @@ def run_stage(config: PipelineConfig, stage: Stage, upstream: dict[str, StageRes
 
     run_id = tracker.start_child(ctx.parent_run_id, stage.value, key, ctx.flow_run_id)
     try:
-        outcome, published = _run_job(config, stage, uri, run_id, tracker, ctx)
+        outcome, published = _run_job(config, stage, uri, upstream, run_id, tracker, ctx)
     except BaseException:
         tracker.finish(run_id, ok=False)  # no child run is left RUNNING, whatever failed
         raise
@@ -106,14 +106,14 @@ def run_stage(config: PipelineConfig, stage: Stage, upstream: dict[str, StageRes
     return result.model_copy(update={"job_seconds": outcome.seconds, "ray_job_id": outcome.job_id})
 
 
-def _run_job(config: PipelineConfig, stage: Stage, uri: str, run_id: str, tracker: Tracker,
-             ctx: RunContext) -> tuple[ray_jobs.JobOutcome, manifest.Manifest]:
+def _run_job(config: PipelineConfig, stage: Stage, uri: str, upstream: dict[str, StageResult], run_id: str,
+             tracker: Tracker, ctx: RunContext) -> tuple[ray_jobs.JobOutcome, manifest.Manifest]:
     log = get_run_logger()
     config_uri = storage.join(uri, "job", "config.yaml")
     storage.write_text(config_uri, dump_config(config))
     env = {k: v for k, v in os.environ.items() if k.startswith(PASSTHROUGH_PREFIXES)}
     env.update({"MLFLOW_TRACKING_URI": tracker.uri, RUN_ID_ENV: run_id})
-    entry = ray_jobs.stage_entrypoint(stage.module, config_uri, uri)
+    entry = ray_jobs.stage_entrypoint(stage.module, config_uri, uri, {name: r.uri for name, r in upstream.items()})
     log.info("%s: submitting Ray job to %s: %s", stage.value, ctx.ray_address, entry)
     outcome = ray_jobs.run_job(
         ctx.ray_address, entry, env, stage.value, config.ray.job_timeout_s, on_log=lambda line: log.info("%s", line),

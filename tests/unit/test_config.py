@@ -114,8 +114,14 @@ def test_missing_file_and_bad_yaml(tmp_path):
 def test_pipeline_needs_its_sections_and_implemented_stages(tmp_path):
     with pytest.raises(ConfigError, match="pipeline 'sft' needs a `sft` section"):
         load_config(write(tmp_path, "name: x\n"))
-    with pytest.raises(ConfigError, match="pipeline 'full' needs stage 'rm', which this version of alignflow does not implement yet"):
+    with pytest.raises(ConfigError, match="pipeline 'full' needs a `rm` section"):
         load_config(write(tmp_path, BASE), ["pipeline=full"])
+    with_rm = ["pipeline=full", f"rm.data.path={ROOT / 'data/preference/train.jsonl'}"]
+    with pytest.raises(ConfigError, match="pipeline 'full' needs stage 'rl', which this version of alignflow does not implement yet"):
+        load_config(write(tmp_path, BASE), with_rm)
+    assert [s.value for s in load_config(write(tmp_path, BASE), with_rm + ["stop_after=rm"]).stages] == ["sft", "rm"]
+    with pytest.raises(ConfigError, match="stop_after='dpo' is not a stage of pipeline 'full'"):
+        load_config(write(tmp_path, BASE), with_rm + ["stop_after=dpo"])
     with pytest.raises(ConfigError, match="pipeline: Input should be 'sft', 'full', 'grpo', 'dpo' or 'kto'"):
         load_config(write(tmp_path, BASE), ["pipeline=ppo"])
 
@@ -126,3 +132,17 @@ def test_stage_lookup_names_the_missing_section(tmp_path):
     cfg = load_config(write(tmp_path, BASE))
     with pytest.raises(ConfigError, match="no `rm` section"):
         cfg.stage(Stage.RM)
+
+
+def test_later_stages_start_from_upstream_and_reject_contradictions(tmp_path):
+    pref, kto = ROOT / "data/preference/train.jsonl", ROOT / "data/kto/train.jsonl"
+    cfg = load_config(write(tmp_path, BASE), ["pipeline=dpo", f"dpo.data.path={pref}"])
+    assert cfg.dpo.model.name_or_path is None and cfg.pipeline.inputs(cfg.stages[1]) == (cfg.stages[0],)
+    with pytest.raises(ConfigError, match="dpo.model.name_or_path='builtin:tiny': in pipeline 'dpo' the dpo stage starts from the sft"):
+        load_config(write(tmp_path, BASE), ["pipeline=dpo", f"dpo.data.path={pref}", "dpo.model.name_or_path=builtin:tiny"])
+    with pytest.raises(ConfigError, match="margin_key='m' needs loss: sigmoid, not 'logexp'"):
+        load_config(write(tmp_path, BASE), [f"rm.data.path={pref}", "rm.data.margin_key=m", "rm.loss=logexp"])
+    with pytest.raises(ConfigError, match="label_smoothing=0.1 is cDPO: it needs loss: dpo, not 'ipo'"):
+        load_config(write(tmp_path, BASE), [f"dpo.data.path={pref}", "dpo.loss=ipo", "dpo.label_smoothing=0.1"])
+    with pytest.raises(ConfigError, match="kto.batch.global_batch_size|global_batch_size must be >= 2"):
+        load_config(write(tmp_path, BASE), [f"kto.data.path={kto}", "kto.batch.global_batch_size=1", "kto.batch.micro_batch_size=1"])

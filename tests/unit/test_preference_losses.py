@@ -7,7 +7,7 @@ import torch
 
 from alignflow.stages.common.logprobs import sequence_logprobs
 from alignflow.stages.dpo.losses import preference_loss
-from alignflow.stages.kto.losses import kto_loss
+from alignflow.stages.kto.losses import kto_loss, kto_reference_point
 from alignflow.stages.rm.losses import pairwise_loss
 
 t = lambda *v: torch.tensor(v, dtype=torch.float64)  # noqa: E731
@@ -48,6 +48,8 @@ def test_dpo_cdpo_ipo_by_hand():
     assert ipo.item() == pytest.approx((2 - 1 / (2 * 0.5)) ** 2)
     assert m["rewards/chosen"].item() == 0.5 and m["rewards/rejected"].item() == -0.5
     assert m["rewards/accuracy"].item() == 1.0 and m["rewards/margin"].item() == 1.0
+    rpo, m = preference_loss(*args, beta=0.5, chosen_nll=t(0.25), nll_weight=2.0)
+    assert rpo.item() == pytest.approx(softplus(-1.0) + 0.5) and m["nll"].item() == 0.25
 
 
 def test_dpo_equal_logprobs_and_extremes():
@@ -61,21 +63,23 @@ def test_dpo_equal_logprobs_and_extremes():
 def test_kto_by_hand():
     policy, ref = t(-1.0, -2.0), t(-1.5, -1.5)  # r = (0.5, -0.5)
     mism_policy, mism_ref = t(-3.0, -3.0), t(-3.4, -3.2)  # KL estimate 0.3
-    loss, m = kto_loss(policy, ref, torch.tensor([True, False]), mism_policy, mism_ref, beta=1.0,
-                       desirable_weight=1.0, undesirable_weight=2.0)
+    kl = kto_reference_point(mism_policy, mism_ref)
+    loss, m = kto_loss(policy, ref, torch.tensor([True, False]), kl, beta=1.0, desirable_weight=1.0, undesirable_weight=2.0)
     sig = lambda x: 1 / (1 + math.exp(-x))  # noqa: E731
     expected = ((1 - sig(0.5 - 0.3)) + 2 * (1 - sig(0.3 + 0.5))) / 2
     assert loss.item() == pytest.approx(expected)
     assert m["kl"].item() == pytest.approx(0.3)
     assert m["rewards/desirable"].item() == 0.5 and m["rewards/undesirable"].item() == -0.5
+    assert m["rewards/margin"].item() == 1.0
 
 
 def test_kto_reference_point_is_clamped_and_carries_no_gradient():
     mism_policy = t(-5.0, -5.0).requires_grad_()
     policy = t(-1.0, -1.0).requires_grad_()
-    loss, m = kto_loss(policy, t(-1.0, -1.0), torch.tensor([True, True]), mism_policy, t(-1.0, -1.0), beta=0.1)
+    kl = kto_reference_point(mism_policy, t(-1.0, -1.0))
+    loss, m = kto_loss(policy, t(-1.0, -1.0), torch.tensor([True, True]), kl, beta=0.1)
     assert m["kl"].item() == 0.0  # a negative estimate is clamped to 0
     loss.backward()
     assert mism_policy.grad is None and policy.grad is not None
-    only_good, m = kto_loss(t(0.0), t(0.0), torch.tensor([True]), t(0.0), t(0.0), beta=0.1)
+    only_good, m = kto_loss(t(0.0), t(0.0), torch.tensor([True]), kto_reference_point(t(0.0), t(0.0)), beta=0.1)
     assert m["rewards/undesirable"].item() == 0.0 and only_good.item() == pytest.approx(0.5)

@@ -151,6 +151,15 @@ def require_str(row: dict, key: str, where: str, allow_empty: bool = False) -> s
     return value
 
 
+def response_sample(prompt_ids: list[int], response_ids: list[int], max_len: int, where: str) -> Sample:
+    """Prompt (loss_mask 0) then response (loss_mask 1), cut at max_len: truncation cuts the
+    response, never the prompt, and a prompt with no room left for a response is an error."""
+    if len(prompt_ids) >= max_len:
+        raise DataError(f"{where}: prompt is {len(prompt_ids)} tokens, not shorter than data.max_len={max_len}")
+    ids = prompt_ids + response_ids
+    return Sample(ids[:max_len], ([0] * len(prompt_ids) + [1] * len(response_ids))[:max_len])
+
+
 def collect(rows: Iterator[tuple[str, Any]], build, on_bad_row: str, stats: RowStats, limit: int | None = None) -> list:
     """Apply `build(where, row)` to each row; a DataError stops the run or is counted as a skip."""
     out = []
@@ -168,6 +177,23 @@ def collect(rows: Iterator[tuple[str, Any]], build, on_bad_row: str, stats: RowS
             break
     stats.used = len(out)
     return out
+
+
+def load_rows(cfg, build, seed: int) -> tuple[list, list, dict]:
+    """Train and held-out items of a `DataSource` config, built by `build(where, row)`, with row
+    statistics. Held out: the rows of `eval_path`, else `eval_fraction` of the training rows."""
+    stats = RowStats()
+    items = collect(read_rows(cfg.path, cfg.split), build, cfg.on_bad_row, stats, cfg.max_samples)
+    if not items:
+        raise DataError(f"{cfg.path}: no usable rows ({stats.read} read, skipped: {dict(stats.skipped) or 'none'})")
+    eval_stats = RowStats()
+    if cfg.eval_path:
+        train, held = items, collect(read_rows(cfg.eval_path, cfg.split), build, cfg.on_bad_row, eval_stats)
+    else:
+        train, held = split_holdout(items, cfg.eval_fraction, seed)
+    if not train:
+        raise DataError(f"{cfg.path}: no training rows left after holding out eval_fraction={cfg.eval_fraction}")
+    return train, held, {"train": stats.as_dict(), "eval": eval_stats.as_dict()}
 
 
 def split_holdout(items: list, fraction: float, seed: int) -> tuple[list, list]:

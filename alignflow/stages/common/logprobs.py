@@ -26,3 +26,10 @@ def sequence_logprobs(token_logps: torch.Tensor, loss_mask: torch.Tensor) -> tor
     A row whose mask selects nothing sums to 0.
     """
     return (token_logps * loss_mask[:, 1:].to(token_logps.dtype)).sum(-1)
+
+
+def forward_logprobs(model: torch.nn.Module, batch) -> torch.Tensor:
+    """(B, T-1) token log-probs of a `TokenBatch` under a causal LM (or a DeepSpeed engine around one)."""
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids,
+                   use_cache=False).logits
+    return token_logprobs(logits, batch.input_ids)

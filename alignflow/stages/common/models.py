@@ -1,34 +1,78 @@
-"""Loading tokenizers and causal LMs: `builtin:*`, a local HF folder, or a hub name, by one path."""
+"""Loading tokenizers, causal LMs and reward models: `builtin:*`, a local HF folder, a hub name,
+or a published stage output (downloaded once from remote storage), by one path."""
 
 from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
 
 import torch
 
 from alignflow.config import ModelConfig
-from alignflow.stages.common.builtin_model import is_builtin, resolve_builtin
+from alignflow.infra import storage
+from alignflow.stages.common.builtin_model import cache_root, is_builtin, resolve_builtin
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+REWARD_MEAN, REWARD_STD = "alignflow_reward_mean", "alignflow_reward_std"  # keys in a published reward model's config.json
 
 
 def resolve_model_path(name_or_path: str) -> str:
     return resolve_builtin(name_or_path) if is_builtin(name_or_path) else name_or_path
 
 
-def load_tokenizer(cfg: ModelConfig):
+def fetch_published_model(stage_uri: str, digest: str) -> str:
+    """Local folder of `{stage_uri}/model`. Remote outputs are downloaded once per manifest digest into
+    the cache; ranks racing for it each download to a temp folder and the first rename wins."""
+    uri = storage.join(stage_uri, "model")
+    if storage.is_local(uri):
+        return str(storage.local_path(uri))
+    dest = cache_root() / "inputs" / digest[:32]
+    if not (dest / "config.json").exists():
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=dest.name + ".", dir=dest.parent))
+        try:
+            storage.download_dir(uri, tmp)
+            os.rename(tmp, dest)
+        except OSError:
+            if not (dest / "config.json").exists():
+                raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return str(dest)
+
+
+def load_tokenizer(path: str):
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(resolve_model_path(cfg.name_or_path))
+    tok = AutoTokenizer.from_pretrained(resolve_model_path(path))
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token  # common for base models; padding is always masked out
     return tok
 
 
-def load_causal_lm(cfg: ModelConfig) -> torch.nn.Module:
+def load_causal_lm(path: str, cfg: ModelConfig) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(
-        resolve_model_path(cfg.name_or_path), dtype=DTYPES[cfg.dtype], attn_implementation=cfg.attn_implementation
+    model = AutoModelForCausalLM.from_pretrained(resolve_model_path(path), dtype=DTYPES[cfg.dtype], attn_implementation=cfg.attn_implementation)
+    return _for_training(model, cfg)
+
+
+def load_reward_model(path: str, cfg: ModelConfig, pad_token_id: int) -> torch.nn.Module:
+    """A causal LM backbone with a scalar head (`AutoModelForSequenceClassification`, one label):
+    the plain HF class, so the published folder loads back with transformers alone. The score
+    is read at the last non-padding token, which is why the pad id must be in the config."""
+    from transformers import AutoModelForSequenceClassification
+
+    model = AutoModelForSequenceClassification.from_pretrained(
+        resolve_model_path(path), num_labels=1, dtype=DTYPES[cfg.dtype], attn_implementation=cfg.attn_implementation
     )
+    model.config.pad_token_id = pad_token_id
+    return _for_training(model, cfg)
+
+
+def _for_training(model: torch.nn.Module, cfg: ModelConfig) -> torch.nn.Module:
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False

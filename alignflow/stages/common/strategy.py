@@ -162,6 +162,13 @@ class Strategy:
             dist.all_reduce(t, op=dist.ReduceOp.SUM)
         return t.tolist()
 
+    def all_reduce_tensor(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum over ranks, in place. Callers fill disjoint rows and leave zeros elsewhere, so the
+        sum is exact: every rank ends with the same full tensor."""
+        if self.world_size > 1:
+            dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        return t
+
     def barrier(self) -> None:
         if self.world_size > 1:
             dist.barrier()

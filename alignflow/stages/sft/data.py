@@ -9,9 +9,7 @@ token boundary never straddles prompt and response.
 from __future__ import annotations
 
 from alignflow.config import DataConfig
-from alignflow.stages.common.data import (
-    DataError, RowStats, Sample, chat_prompt_text, collect, encode, read_rows, require_str, split_holdout,
-)
+from alignflow.stages.common.data import DataError, Sample, chat_prompt_text, encode, load_rows, require_str
 
 
 def input_output_sample(row: dict, where: str, tokenizer, cfg: DataConfig) -> Sample:
@@ -59,16 +57,4 @@ def _sample(segments: list[tuple[str, int]], where: str, tokenizer, max_len: int
 def load_sft_samples(cfg: DataConfig, tokenizer, seed: int) -> tuple[list[Sample], list[Sample], dict]:
     """Train and held-out samples, with row statistics. An empty train set is an error."""
     build = messages_sample if cfg.messages_key else input_output_sample
-    make = lambda where, row: build(row, where, tokenizer, cfg)  # noqa: E731
-    stats = RowStats()
-    samples = collect(read_rows(cfg.path, cfg.split), make, cfg.on_bad_row, stats, cfg.max_samples)
-    if not samples:
-        raise DataError(f"{cfg.path}: no usable rows ({stats.read} read, skipped: {dict(stats.skipped) or 'none'})")
-    eval_stats = RowStats()
-    if cfg.eval_path:
-        train, held = samples, collect(read_rows(cfg.eval_path, cfg.split), make, cfg.on_bad_row, eval_stats)
-    else:
-        train, held = split_holdout(samples, cfg.eval_fraction, seed)
-    if not train:
-        raise DataError(f"{cfg.path}: no training rows left after holding out eval_fraction={cfg.eval_fraction}")
-    return train, held, {"train": stats.as_dict(), "eval": eval_stats.as_dict()}
+    return load_rows(cfg, lambda where, row: build(row, where, tokenizer, cfg), seed)

@@ -1,0 +1,161 @@
+"""What every training stage does around its own math, written once.
+
+A stage reads: `run = TrainingRun(cfg, Stage.X, output_uri, inputs)`; return the cached
+result if `run.done`; load data and model; `run.start(...)` (checkpoints, resume, metrics,
+MLflow); `run.train(train_step, evaluate)`; `run.publish(...)`. The step and evaluation
+functions are the stage's own; cadence of eval, checkpoints and logs is handled here.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable
+
+from alignflow.config import ConfigError, PipelineConfig, Stage, dump_config
+from alignflow.infra import manifest, storage
+from alignflow.lineage import data_inputs, data_sources, input_digests, locate_inputs, stage_cache_key, stage_output_uri
+from alignflow.stages.common.checkpoint import Checkpointer, staging_dir
+from alignflow.stages.common.data import DataError, steps_per_epoch
+from alignflow.stages.common.models import fetch_published_model, resolve_model_path
+from alignflow.stages.common.progress import MetricsLog, Timer
+from alignflow.stages.common.publish import metrics_json, model_card, publish
+from alignflow.stages.common.strategy import Strategy
+from alignflow.stages.common.tracking import StageTracking, plot_curves
+
+FAIL_AT_STEP_ENV = "ALIGNFLOW_FAIL_AT_STEP"  # tests: crash after this optimizer step (after its checkpoint)
+BASE_MODEL_INPUT = "sft"  # the upstream output a later stage starts from
+
+
+class InjectedFailure(RuntimeError):
+    """Raised at the step named by ALIGNFLOW_FAIL_AT_STEP, to test resume for real."""
+
+
+def total_steps(num_train: int, section, unit: str = "rows") -> int:
+    per_epoch = steps_per_epoch(num_train, section.batch.global_batch_size)
+    if per_epoch == 0:
+        raise DataError(f"{num_train} training {unit} are fewer than batch.global_batch_size="
+                        f"{section.batch.global_batch_size}: not one optimizer step")
+    steps = per_epoch * section.batch.epochs
+    return min(steps, section.batch.max_steps) if section.batch.max_steps else steps
+
+
+class TrainingRun:
+    """One attempt at one stage: where it publishes, what it starts from, its metrics and checkpoints."""
+
+    def __init__(self, cfg: PipelineConfig, stage: Stage, output_uri: str | None = None, inputs: dict[str, str] | None = None):
+        self.clock = Timer()
+        self.cfg, self.stage, self.section = cfg, stage, cfg.stage(stage)
+        self.inputs = dict(inputs) if inputs else locate_inputs(cfg, stage)  # name -> published stage URI
+        self.input_digests = input_digests(self.inputs)
+        self.fingerprints = data_inputs(self.section)  # hashed once: the cache key and the manifest both use it
+        self.key = stage_cache_key(cfg, stage, self.input_digests, data=self.fingerprints)
+        self.out = output_uri or stage_output_uri(cfg, stage, self.key)
+        self.done = manifest.verify(self.out)
+        self.staging = staging_dir(self.key)
+        self.timings: dict[str, float] = {}
+        self.start_step, self.total_steps = 0, 0
+
+    def cached_result(self) -> dict[str, Any]:
+        print(f"{self.stage.value}: already complete at {self.out} (cache key {self.key})", flush=True)
+        return {"stage": self.stage.value, "uri": self.out, "cache_key": self.key, "cached": True,
+                "metrics": self.done.meta.get("metrics", {})}
+
+    # ------------------------------------------------------------------ setup
+
+    @property
+    def base_model_name(self) -> str:
+        """What the model card and logs call the starting model."""
+        return self.inputs.get(BASE_MODEL_INPUT) or self.section.model.name_or_path or "?"
+
+    def base_model(self) -> str:
+        """Local folder (or hub name) of the model this stage starts from."""
+        given, upstream = self.section.model.name_or_path, self.inputs.get(BASE_MODEL_INPUT)
+        name = self.stage.value
+        if given and upstream:
+            raise ConfigError(f"{name}: two starting models: {name}.model.name_or_path={given!r} and the input "
+                              f"{BASE_MODEL_INPUT}={upstream}; give one")
+        if upstream:
+            return fetch_published_model(upstream, self.input_digests[BASE_MODEL_INPUT])
+        if given:
+            return resolve_model_path(given)
+        raise ConfigError(
+            f"{name}: no SFT model given to start from: run it in a pipeline after sft (e.g. pipeline: "
+            f"{'full' if self.stage == Stage.RM else self.stage.value}), pass --input sft=<published sft folder>, "
+            f"or set {name}.model.name_or_path"
+        )
+
+    def start(self, strategy: Strategy, total_steps: int, headline: str, evaluate: Callable[[], dict[str, float]]) -> int:
+        """Checkpoints, resume, metrics log and MLflow; evaluates the starting model on a fresh run."""
+        self.strategy, self.total_steps = strategy, total_steps
+        self.checkpoints = Checkpointer(strategy, self.out, self.section.checkpoint.keep_last, self.staging)
+        self.start_step, history = self._resume()
+        self.log = MetricsLog(strategy.is_main, total_steps, self.section.logging.progress, headline, history)
+        self.tracking = StageTracking(strategy.is_main)
+        self.log.add_sink(self.tracking.log_metrics)
+        for record in history:  # a resumed attempt runs under a new MLflow run: give it the whole curve
+            self.tracking.log_metrics(int(record["step"]), {k: v for k, v in record.items() if k != "step"})
+        if self.start_step == 0:
+            self.log.log(0, evaluate(), echo=True)
+        self.timings["time/setup_s"] = self.clock.lap()
+        return self.start_step
+
+    def _resume(self) -> tuple[int, list[dict]]:
+        step = self.checkpoints.latest()
+        if step is None:
+            return 0, []
+        state = self.checkpoints.load(step)
+        if self.strategy.is_main:
+            print(f"{self.stage.value}: resumed from checkpoint at step {step}", flush=True)
+        return step, state.get("history", [])
+
+    # ------------------------------------------------------------------ train
+
+    def train(self, train_step: Callable[[int], dict[str, float]], evaluate: Callable[[], dict[str, float]]) -> None:
+        logging, every = self.section.logging, self.section.checkpoint.every_steps
+        fail_at = int(os.environ.get(FAIL_AT_STEP_ENV, 0))
+        last = self.total_steps
+        for step in range(self.start_step, last):
+            metrics = train_step(step)
+            number = step + 1
+            if number % logging.eval_every == 0 or number == last:
+                metrics.update(evaluate())
+            self.log.log(number, metrics, echo=number % logging.log_every == 0 or number == last)
+            if number % every == 0 and number < last:
+                self.checkpoints.save(number, {"history": self.log.history})
+            if number == fail_at:
+                raise InjectedFailure(f"{FAIL_AT_STEP_ENV}={fail_at}: failing after step {number}")
+        self.log.close()
+        self.timings["time/train_s"] = self.clock.lap()
+
+    # ------------------------------------------------------------------ publish
+
+    def publish(self, tokenizer, curves: list[str], data_stats: dict[str, Any], final: dict[str, float] | None = None) -> dict[str, Any]:
+        """HF model + config + metrics + curves + model card, manifest last; artifacts to MLflow.
+        `final`: figures computed after training (they join the summary and MLflow)."""
+        strategy, name = self.strategy, self.stage.value
+        if final:
+            self.tracking.log_metrics(self.total_steps, final)
+        summary = {**self.log.summary(), **(final or {}), **self.timings}
+        first = self.log.history[0] if self.log.history and self.log.history[0]["step"] == 0 else {}
+        summary.update({f"{k}_initial": v for k, v in first.items() if k.startswith("eval/")})
+        files: dict[str, str | bytes] = {}
+        if strategy.is_main:
+            sources = {src: self.fingerprints[n] for n, src in data_sources(self.section).items()}
+            sources.update({uri: self.input_digests[n] for n, uri in self.inputs.items()})
+            plot = plot_curves(self.log.history, curves, self.staging / "curves.png")
+            files = {
+                "config.yaml": dump_config(self.cfg),
+                "metrics.json": metrics_json(self.log.history, summary, {"data": data_stats, "resumed_from_step": self.start_step or None}),
+                "MODEL_CARD.md": model_card(name, self.base_model_name, sources, self.section.config_hash(), self.key, summary),
+                "curves.png": plot.read_bytes(),
+            }
+        inputs = {**self.fingerprints, **{f"upstream:{n}": {"uri": u, "digest": self.input_digests[n]} for n, u in self.inputs.items()}}
+        meta = {"stage": name, "cache_key": self.key, "config_hash": self.section.config_hash(), "inputs": inputs,
+                "metrics": summary, "mlflow_run_id": self.tracking.run_id}
+        _, local = publish(strategy, tokenizer, self.out, self.staging, files, meta)
+        self.tracking.log_artifacts([local / f for f in (*files, manifest.STAGE_MANIFEST)])
+        if strategy.is_main:
+            print(f"{name}: published model to {storage.join(self.out, 'model')}\n{name}: metrics in {storage.join(self.out, 'metrics.json')}", flush=True)
+        strategy.close()
+        return {"stage": name, "uri": self.out, "cache_key": self.key, "cached": False, "metrics": summary,
+                "resumed_from_step": self.start_step or None}

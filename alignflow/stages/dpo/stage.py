@@ -1,0 +1,107 @@
+"""DPO stage (DPO, cDPO, IPO, optional NLL term) with reference log-probs computed once.
+
+Run by hand:  alignflow stage dpo --config configs/tiny.yaml --set pipeline=dpo
+              (finds the SFT model published by `alignflow stage sft`; or pass --input sft=URI)
+
+The policy starts from the SFT model; the frozen reference is that same model, so its
+log-probs of every chosen and rejected response are computed before the first step and
+stored with the stage (`stages.common.reference`): no reference model in memory and no
+reference forward per step. Log-probs are sums over response tokens; chosen and rejected
+run in one forward. The loss is a mean over the pairs of the whole optimizer step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from alignflow.config import DPOConfig, PipelineConfig, Stage
+from alignflow.stages.common.checkpoint import seed_everything
+from alignflow.stages.common.logprobs import forward_logprobs, sequence_logprobs
+from alignflow.stages.common.models import load_causal_lm, load_tokenizer
+from alignflow.stages.common.pairs import Pair, collate_pairs, load_pairs
+from alignflow.stages.common.progress import Timer
+from alignflow.stages.common.reference import reference_logps
+from alignflow.stages.common.rowwise import RowBuffer, all_rows, step_rows
+from alignflow.stages.common.run import TrainingRun, total_steps
+from alignflow.stages.common.strategy import Strategy
+from alignflow.stages.dpo.losses import preference_loss
+
+CURVES = ["loss", "rewards/accuracy", "rewards/margin", "eval/rewards/accuracy", "eval/rewards/margin", "pairs_per_s"]
+Reference = dict[str, torch.Tensor]  # {"chosen": (n,), "rejected": (n,)} summed log-probs
+
+
+def main(cfg: PipelineConfig, output_uri: str | None = None, inputs: dict[str, str] | None = None) -> dict[str, Any]:
+    # ------------------------------------------------------------------ setup
+    run = TrainingRun(cfg, Stage.DPO, output_uri, inputs)
+    if run.done:
+        return run.cached_result()
+    dpo = run.section
+    base = run.base_model()
+    tokenizer = load_tokenizer(base)
+    train, held, stats = load_pairs(dpo.data, tokenizer, dpo.batch.seed)  # bad data fails before any model work
+    steps = total_steps(len(train), dpo, "pairs")
+
+    strategy = Strategy(dpo.deepspeed, dpo.batch, dpo.optim)
+    seed_everything(dpo.batch.seed + strategy.rank)
+    with strategy.model_init():
+        model = load_causal_lm(base, dpo.model)
+    strategy.prepare(model, steps)
+    logps = lambda pairs: pair_logps(strategy.engine, pairs, tokenizer.pad_token_id, strategy.device)  # noqa: E731
+    clock = Timer()
+    # Before resume: the weights are still the reference's.
+    ref = reference_logps(strategy, run.out, run.staging, {
+        "train": ([len(p) for p in train], lambda rows: logps([train[i] for i in rows])),
+        "eval": ([len(p) for p in held], lambda rows: logps([held[i] for i in rows])),
+    }, dpo.batch.micro_batch_size)
+    run.timings["time/reference_s"] = clock.lap()
+    evaluate = lambda: held_out(strategy, held, ref["eval"], dpo, logps)  # noqa: E731
+    run.start(strategy, steps, "pairs_per_s", evaluate)
+
+    # ------------------------------------------------------------------ train
+    run.train(lambda step: train_step(strategy, train, ref["train"], step, dpo, logps), evaluate)
+
+    # ------------------------------------------------------------------ publish
+    return run.publish(tokenizer, CURVES, stats)
+
+
+def pair_logps(model, pairs: list[Pair], pad_id: int, device) -> dict[str, torch.Tensor]:
+    """Summed response log-probs of chosen and rejected (one (2B, T) forward), and the token-mean
+    NLL of each chosen response (for the optional NLL term)."""
+    batch = collate_pairs(pairs, pad_id).to(device)
+    token_logps = forward_logprobs(model, batch)
+    sums = sequence_logprobs(token_logps, batch.loss_mask)
+    n = len(pairs)
+    chosen_tokens = batch.loss_mask[:n, 1:].sum(-1).clamp(min=1)
+    return {"chosen": sums[:n], "rejected": sums[n:], "nll": -sums[:n] / chosen_tokens}
+
+
+def loss_of(policy: dict[str, torch.Tensor], ref: Reference, rows: list[int], dpo: DPOConfig):
+    return preference_loss(policy["chosen"], policy["rejected"], ref["chosen"][rows].to(policy["chosen"].device),
+                           ref["rejected"][rows].to(policy["chosen"].device), dpo.beta, dpo.loss, dpo.label_smoothing,
+                           policy["nll"], dpo.nll_weight)
+
+
+def train_step(strategy: Strategy, train: list[Pair], ref: Reference, step: int, dpo: DPOConfig, logps) -> dict[str, float]:
+    timer = Timer()
+    indices, mine = step_rows(strategy, len(train), [len(p) for p in train], dpo.batch, step)
+    lr, step_logps = strategy.lr(), RowBuffer(len(indices))
+    for micro in mine:
+        policy = logps([train[indices[k]] for k in micro])
+        loss, _ = loss_of(policy, ref, [indices[k] for k in micro], dpo)
+        strategy.backward(loss * (len(micro) / len(indices)))  # this micro-batch's share of the step mean
+        strategy.step()
+        step_logps.put(micro, policy)
+    loss, m = loss_of(step_logps.gather(strategy), ref, indices, dpo)
+    seconds = timer.lap()
+    return {"loss": float(loss), **{k: float(v) for k, v in m.items()}, "lr": lr, "grad_norm": strategy.grad_norm(),
+            "pairs_per_s": len(indices) / seconds, "step_time_s": seconds}
+
+
+def held_out(strategy: Strategy, held: list[Pair], ref: Reference, dpo: DPOConfig, logps) -> dict[str, float]:
+    if not held:
+        return {}
+    policy = all_rows(strategy, [len(p) for p in held], dpo.batch.micro_batch_size, lambda rows: logps([held[i] for i in rows]))
+    loss, m = loss_of(policy, ref, list(range(len(held))), dpo)
+    return {"eval/loss": float(loss), **{f"eval/{k}": float(v) for k, v in m.items()}}
