@@ -315,7 +315,7 @@ class PipelineConfig(Frozen):
                 done = ", ".join(s.value for s in Stage if s.implemented)
                 raise ValueError(
                     f"pipeline {self.pipeline.value!r} needs stage {stage.value!r}, which this version of alignflow "
-                    f"does not implement yet (implemented: {done})"
+                    f"does not implement yet (implemented: {done}); `stop_after` runs the stages before it"
                 )
             section = getattr(self, stage.value, None)
             if section is None:
@@ -449,7 +449,7 @@ def format_validation_error(exc: ValidationError, source: str, lines: dict[tuple
                     where = f"{source}:{lines[loc[:n]]}"
                     break
         value = err.get("input")
-        shown = "" if err["type"] == "missing" else f" (got {value!r})"
+        shown = "" if err["type"] == "missing" or not loc else f" (got {value!r})"  # the root's value is the whole file
         msgs.append(f"{where}: {field}: {err['msg']}{shown}")
     return "invalid config:\n  " + "\n  ".join(msgs)
 

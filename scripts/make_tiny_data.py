@@ -50,6 +50,22 @@ def wrong_answer(prompt: str, answer: str, rng: random.Random) -> str:
     return str(abs(value) if value != int(answer) else value + 1)
 
 
+def visibly_wrong_answer(prompt: str, answer: str, rng: random.Random) -> str:
+    """A wrong answer a sub-1M model can be expected to judge, for the preference pairs.
+
+    Near misses in arithmetic (165 vs 163) are beyond what the tiny model learns (it gets 8%
+    of sums right after SFT), so a reward model trained on them stays at chance there. These
+    errors are checkable by copying and by the shape of a sum: an operand echoed back, or the
+    sum with a stray digit appended (a 4-digit sum, or a 3-digit one not starting with 1).
+    Word reversal keeps `wrong_answer`'s errors: a copy, or two letters swapped.
+    """
+    if prompt.startswith("rev "):
+        return wrong_answer(prompt, answer, rng)
+    a, b = prompt.split("+")
+    wrong = rng.choice([a, b, answer + rng.choice("0123456789")])
+    return wrong if wrong != answer else answer + "0"
+
+
 def write(name: str, rows: list[dict]) -> None:
     path = OUT / name
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -90,7 +106,7 @@ def main() -> None:
     ])
     for split in ("train", "eval"):
         write(f"preference/{split}.jsonl", [
-            {"prompt": p, "chosen": r, "rejected": wrong_answer(p, r, rng)} for p, r in pools[f"pref_{split}"]
+            {"prompt": p, "chosen": r, "rejected": visibly_wrong_answer(p, r, rng)} for p, r in pools[f"pref_{split}"]
         ])
         kto_rows = []
         for i, (p, r) in enumerate(pools[f"kto_{split}"]):

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import pytest
@@ -11,10 +12,23 @@ from alignflow.config import load_config
 ROOT = Path(__file__).resolve().parents[2]
 
 
+QUIET = [f"{s}.logging.{k}" for s in ("sft", "rm", "dpo", "kto") for k in ("progress=false", "log_every=1000")]
+
+
 def sft_config(tmp_path: Path, *overrides: str):
     """configs/tiny.yaml, quiet, publishing under tmp_path."""
-    base = [f"storage.root={tmp_path / 'out'}", "sft.logging.progress=false", "sft.logging.log_every=1000"]
-    return load_config(ROOT / "configs" / "tiny.yaml", base + list(overrides))
+    return load_config(ROOT / "configs" / "tiny.yaml", [f"storage.root={tmp_path / 'out'}", *QUIET, *overrides])
+
+
+@pytest.fixture(scope="session")
+def tiny_sft(tmp_path_factory):
+    """configs/tiny.yaml's SFT stage as shipped (what `make demo` trains), run once per session:
+    (its config, its result). The preference stages start from it."""
+    from alignflow.stages.sft.stage import main
+
+    with contextlib.chdir(ROOT):
+        cfg = sft_config(tmp_path_factory.mktemp("tiny-sft"))
+        return cfg, main(cfg)
 
 
 def weights(stage_uri: str) -> dict[str, torch.Tensor]:

@@ -32,9 +32,8 @@ def greedy_accuracy(model_dir: str, rows: list[dict]) -> float:
     return right / len(rows)
 
 
-def test_tiny_sft_learns_publishes_and_is_cached(tmp_path, capsys):
-    cfg = sft_config(tmp_path)  # configs/tiny.yaml as shipped: what `make demo` runs
-    result = main(cfg)
+def test_tiny_sft_learns_publishes_and_is_cached(tiny_sft):
+    cfg, result = tiny_sft  # configs/tiny.yaml as shipped: what `make demo` runs
     summary = result["metrics"]
     first, last = summary["eval/loss_initial"], summary["eval/loss"]
     print(f"held-out loss {first:.3f} -> {last:.3f}")
