@@ -94,6 +94,10 @@ def _stage_result(state: State, tracker: Tracker, ctx: RunContext, stage: Stage)
 def _register(config: PipelineConfig, tracker: Tracker, parent: str, results: list[StageResult]) -> dict[str, str] | None:
     if not config.tracking.register_model or not results:
         return None
+    if config.stages != config.pipeline.stages:
+        get_run_logger().info("stop_after=%s: the pipeline stopped early; its last model is not registered as a candidate",
+                              config.stop_after.value)
+        return None
     final = results[-1]
     card = storage.read_text(storage.join(final.uri, "MODEL_CARD.md"))
     lineage = " -> ".join(f"{r.stage}:{r.cache_key}" for r in results)
