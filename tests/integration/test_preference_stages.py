@@ -159,3 +159,16 @@ def test_bad_input_stops_before_training(tiny_sft, tmp_path):
     with pytest.raises(DataError, match=rf"{bad}:2: 'label' must be a boolean"):
         stage_main("kto")(config(tmp_path, "pipeline=kto", f"kto.data.path={bad}"), None, {"sft": sft["uri"]})
     assert not (tmp_path / "tiny" / "kto").exists()  # nothing written
+
+
+def test_reward_model_under_zero3_trains_like_zero0(tiny_sft, tmp_path):
+    """The new score head is created under ZeRO-3's partitioned init and still starts and trains the same."""
+    _, sft = tiny_sft
+    common = ["pipeline=full", "stop_after=rm", "rm.batch.max_steps=4", "rm.data.max_samples=128", "rm.logging.eval_every=2"]
+    runs = [stage_main("rm")(config(tmp_path / str(z), *common, f"rm.deepspeed.zero_stage={z}"), None, {"sft": sft["uri"]})
+            for z in (0, 3)]
+    assert losses(runs[1]["uri"]) == pytest.approx(losses(runs[0]["uri"]), rel=1e-5)
+    a, b = weights(runs[0]["uri"]), weights(runs[1]["uri"])
+    assert "score.weight" in a
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], atol=1e-5, rtol=1e-4)
