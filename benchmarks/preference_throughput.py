@@ -74,7 +74,7 @@ Differences that remain (each is part of what the framework does; none changes t
 - RM after training: alignflow scores every training response once more after the last step (mean/std for reward
   normalisation, published in config.json). That is outside the timed steps and not counted here.
 - truncation: alignflow cuts a response at max_len; TRL's RewardTrainer drops pairs longer than max_length and its
-  DPO collator truncates like alignflow. With these samples (at most ~25 tokens) nothing is cut or dropped; the
+  DPO collator truncates like alignflow. With these samples (12-18 tokens per sequence with the tiny tokenizer) nothing is cut or dropped; the
   worker records how many pairs TRL kept (`rows_prepared`).
 - engine: alignflow runs the model inside a DeepSpeed ZeRO-0 engine (fp32), TRL inside `transformers.Trainer` +
   accelerate. TRL disables dropout (`disable_dropout=True`); the built-in models have none.
@@ -366,7 +366,6 @@ def worker_trl(args: argparse.Namespace) -> dict[str, Any]:
         "rows_input": len(dataset),
         "rows_prepared": rows_prepared,  # pairs after TRL's tokenization and length filter
         "rows_used": len(trainer.train_dataset),
-        "gradient_checkpointing": bool(getattr(trainer.model, "is_gradient_checkpointing", False)),
         "bf16": bool(config.bf16),
     }
     if args.stage == "dpo":
@@ -379,6 +378,7 @@ def worker_trl(args: argparse.Namespace) -> dict[str, Any]:
         else:
             info["reference_s"] = 0.0  # the reference forward runs inside every step
     trainer.train()
+    info["gradient_checkpointing"] = bool(getattr(trainer.model, "is_gradient_checkpointing", False))  # Trainer turns it on in train()
 
     n = len(timing.end)
     if n != total or len(trainer.fetch) < n or len(timing.begin) != n:

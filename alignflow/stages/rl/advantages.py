@@ -1,0 +1,118 @@
+"""Advantage estimators for the RL stage. Pure torch: scores, masks and values in, advantages out.
+
+Vocabulary: B sampled responses, the n samples of one prompt in consecutive rows (group
+estimators need it); R response tokens; `mask` (B, R) is 1 on response tokens (the EOS
+included) and 0 on the padding after it; `scores` (B,) is one reward per response (reward
+model or reward function); `kl` (B, R) is the per-token KL penalty already scaled by its
+coefficient when the KL goes into the reward (zeros otherwise).
+
+One recipe for every estimator (the dispatch is `Estimator`'s properties, in one place):
+1. a baseline is subtracted from the sequence scores (none, group mean, leave-one-out mean,
+   or group mean and std);
+2. per-token rewards r_t = -kl_t, plus the baselined score on the last response token;
+3. `gae` runs GAE over r_t with the critic's values; every other estimator takes the
+   discounted return of r_t from each token (with γ = 1 and no KL this is the baselined
+   score on every token, which is GRPO/RLOO's broadcast);
+4. REINFORCE++ and REINFORCE++-baseline then normalise the advantages over the batch.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+
+
+class Estimator(str, enum.Enum):
+    GAE = "gae"  # PPO with a critic (Schulman et al. 2016)
+    REINFORCE = "reinforce"  # REINFORCE++ (Hu et al. 2025)
+    REINFORCE_BASELINE = "reinforce_baseline"  # REINFORCE++-baseline (Hu et al. 2025)
+    RLOO = "rloo"  # Ahmadian et al. 2024
+    GROUP_NORM = "group_norm"  # GRPO (Shao et al. 2024)
+    DR_GRPO = "dr_grpo"  # Dr. GRPO (Liu et al. 2025)
+
+    @property
+    def needs_critic(self) -> bool:
+        return self == Estimator.GAE
+
+    @property
+    def is_group(self) -> bool:
+        """Its baseline comes from the other samples of the same prompt: n_samples_per_prompt >= 2."""
+        return self in (Estimator.REINFORCE_BASELINE, Estimator.RLOO, Estimator.GROUP_NORM, Estimator.DR_GRPO)
+
+    @property
+    def whitens(self) -> bool:
+        """Advantages normalised over the whole batch (REINFORCE++'s global normalisation)."""
+        return self in (Estimator.REINFORCE, Estimator.REINFORCE_BASELINE)
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return (x * mask).sum() / mask.sum().clamp(min=1)
+
+
+def whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """(x - mean) / std over the masked entries of the whole batch; 0 where mask is 0."""
+    mean = masked_mean(x, mask)
+    var = masked_mean((x - mean) ** 2, mask)
+    return (x - mean) * torch.rsqrt(var + eps) * mask
+
+
+def baselined_scores(estimator: Estimator, scores: torch.Tensor, n: int, eps: float = 1e-6) -> torch.Tensor:
+    """Step 1: scores minus the estimator's baseline. `n` consecutive rows share a prompt."""
+    if not estimator.is_group:
+        return scores
+    groups = scores.view(-1, n)
+    mean = groups.mean(-1, keepdim=True)
+    if estimator == Estimator.GROUP_NORM:  # GRPO, Shao et al. 2024 §4.1.2: (r - mean(r)) / std(r)
+        return ((groups - mean) / (groups.std(-1, keepdim=True) + eps)).view(-1)
+    if estimator == Estimator.RLOO:  # Ahmadian et al. 2024 Eq. 5: r_i - 1/(n-1) Σ_{j≠i} r_j
+        return (groups - (groups.sum(-1, keepdim=True) - groups) / (n - 1)).view(-1)
+    return (groups - mean).view(-1)  # Dr. GRPO (Liu et al. 2025 Eq. 3) and REINFORCE++-baseline: r - mean(r)
+
+
+def token_rewards(scores: torch.Tensor, mask: torch.Tensor, kl: torch.Tensor | None = None) -> torch.Tensor:
+    """Step 2: r_t = -kl_t, plus the score on the last response token (Ziegler et al. 2019 §2.2)."""
+    rewards = -kl * mask if kl is not None else torch.zeros_like(mask, dtype=scores.dtype)
+    last = (mask.cumsum(-1) == mask.sum(-1, keepdim=True)) & (mask > 0)  # the last masked position of each row
+    return rewards + last.to(scores.dtype) * scores.unsqueeze(-1)
+
+
+def discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
+    """G_t = r_t + γ G_{t+1} over response tokens; 0 on padding."""
+    out = torch.zeros_like(rewards)
+    running = torch.zeros_like(rewards[:, 0])
+    for t in reversed(range(rewards.shape[1])):
+        running = (rewards[:, t] + gamma * running) * mask[:, t]
+        out[:, t] = running
+    return out
+
+
+def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation (Schulman et al. 2016, Eq. 16):
+    δ_t = r_t + γ V_{t+1} - V_t,  A_t = δ_t + γλ A_{t+1}; the value after the last token is 0.
+    Returns (advantages, returns = advantages + values), both 0 on padding."""
+    values = values * mask
+    adv = torch.zeros_like(rewards)
+    running = torch.zeros_like(rewards[:, 0])
+    for t in reversed(range(rewards.shape[1])):
+        next_value = values[:, t + 1] if t + 1 < rewards.shape[1] else torch.zeros_like(running)
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        running = (delta + gamma * lam * running) * mask[:, t]
+        adv[:, t] = running
+    return adv, (adv + values) * mask
+
+
+def advantages(estimator: Estimator, scores: torch.Tensor, mask: torch.Tensor, *, n: int = 1, gamma: float = 1.0,
+               lam: float = 1.0, kl: torch.Tensor | None = None, values: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(advantages, returns), both (B, R) and 0 on padding. `values` only for gae; `n` for group estimators."""
+    mask = mask.to(scores.dtype)
+    if estimator.is_group and (n < 2 or scores.numel() % n):
+        raise ValueError(f"{estimator.value} needs groups of n >= 2 samples per prompt; got n={n} for {scores.numel()} scores")
+    rewards = token_rewards(baselined_scores(estimator, scores, n), mask, kl)
+    if estimator.needs_critic:
+        if values is None:
+            raise ValueError("gae needs the critic's values")
+        return gae(rewards, values, mask, gamma, lam)
+    returns = discounted_returns(rewards, mask, gamma)
+    return (whiten(returns, mask) if estimator.whitens else returns), returns

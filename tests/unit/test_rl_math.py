@@ -1,0 +1,143 @@
+"""Advantage estimators, KL estimators and the RL losses: hand-computed values and invariances."""
+
+import math
+
+import pytest
+import torch
+
+from alignflow.stages.rl.advantages import Estimator, advantages, baselined_scores, gae, whiten
+from alignflow.stages.rl.kl import KLEstimator, adaptive_kl_coef, kl_per_token
+from alignflow.stages.rl.losses import entropy_from_logits, policy_loss, value_loss
+
+t = lambda *v: torch.tensor(v, dtype=torch.float64)  # noqa: E731
+rows = lambda *r: torch.tensor(r, dtype=torch.float64)  # noqa: E731
+
+
+def test_group_baselines_by_hand():
+    s = math.sqrt(0.5)  # unbiased std of (1, 0)
+    torch.testing.assert_close(baselined_scores(Estimator.GROUP_NORM, t(1, 0, 0, 1), 2, eps=0.0), t(0.5 / s, -0.5 / s, -0.5 / s, 0.5 / s))
+    torch.testing.assert_close(baselined_scores(Estimator.RLOO, t(1, 2, 3), 3), t(-1.5, 0.0, 1.5))
+    torch.testing.assert_close(baselined_scores(Estimator.DR_GRPO, t(1, 2, 3), 3), t(-1.0, 0.0, 1.0))
+    torch.testing.assert_close(baselined_scores(Estimator.REINFORCE_BASELINE, t(1, 2, 3, 5, 5, 5), 3), t(-1, 0, 1, 0, 0, 0))
+    torch.testing.assert_close(baselined_scores(Estimator.GROUP_NORM, t(5, 5), 2), t(0.0, 0.0))  # equal rewards: no signal, no NaN
+
+
+@pytest.mark.parametrize("estimator, expected", [
+    (Estimator.GROUP_NORM, [[0.5**0.5, 0.5**0.5, 0.0], [-(0.5**0.5)] * 3]),  # (s - mean) / std, std = √0.5, on every token
+    (Estimator.DR_GRPO, [[0.5, 0.5, 0.0], [-0.5, -0.5, -0.5]]),
+    (Estimator.RLOO, [[1.0, 1.0, 0.0], [-1.0, -1.0, -1.0]]),
+])
+def test_group_estimators_broadcast_the_baselined_score(estimator, expected):
+    mask = rows([1, 1, 0], [1, 1, 1])
+    adv, _ = advantages(estimator, t(1.0, 0.0), mask, n=2)
+    torch.testing.assert_close(adv, rows(*expected), atol=1e-5, rtol=0)
+
+
+def test_returns_with_discount_and_kl_in_the_reward():
+    mask = rows([1, 1, 0])
+    _, returns = advantages(Estimator.REINFORCE, t(2.0), mask, gamma=0.5)
+    torch.testing.assert_close(returns, rows([1.0, 2.0, 0.0]))  # score on the last token, discounted back
+    _, returns = advantages(Estimator.REINFORCE, t(2.0), mask, kl=rows([0.1, 0.2, 0.3]))
+    torch.testing.assert_close(returns, rows([1.7, 1.8, 0.0]))  # r = (-0.1, 2 - 0.2), padding ignored
+
+
+def test_reinforce_whitens_over_the_batch():
+    mask = rows([1, 0], [1, 1])
+    adv, returns = advantages(Estimator.REINFORCE, t(1.0, 3.0), mask)
+    torch.testing.assert_close(returns, rows([1.0, 0.0], [3.0, 3.0]))
+    std = math.sqrt(8 / 9)  # of (1, 3, 3)
+    torch.testing.assert_close(adv, rows([(1 - 7 / 3) / std, 0.0], [(3 - 7 / 3) / std, (3 - 7 / 3) / std]), atol=1e-6, rtol=0)
+    base, _ = advantages(Estimator.REINFORCE_BASELINE, t(1.0, 3.0, 2.0, 2.0), rows([1, 1], [1, 1], [1, 0], [1, 0]), n=2)
+    assert base[2, 0] == base[3, 0] and base[0, 0] < 0 < base[1, 0]  # group mean first, then the batch
+
+
+def test_gae_by_hand():
+    rewards, values, mask = rows([0.0, 1.0]), rows([0.5, 0.2]), rows([1, 1])
+    adv, ret = gae(rewards, values, mask, gamma=1.0, lam=1.0)
+    torch.testing.assert_close(adv, rows([0.5, 0.8]))  # δ1 = 1 - 0.2; δ0 = 0.2 - 0.5; A0 = δ0 + A1
+    torch.testing.assert_close(ret, rows([1.0, 1.0]))
+    adv, _ = gae(rewards, values, mask, gamma=0.9, lam=0.5)
+    torch.testing.assert_close(adv, rows([0.9 * 0.2 - 0.5 + 0.45 * 0.8, 0.8]))
+    adv, _ = gae(rows([0.0, 1.0, 9.0]), rows([0.5, 0.2, 7.0]), rows([1, 1, 0]), gamma=1.0, lam=1.0)
+    torch.testing.assert_close(adv, rows([0.5, 0.8, 0.0]))  # padding neither gives nor gets value
+
+
+def test_estimator_errors():
+    with pytest.raises(ValueError, match="group_norm needs groups of n >= 2 samples per prompt; got n=1"):
+        advantages(Estimator.GROUP_NORM, t(1.0, 2.0), rows([1], [1]), n=1)
+    with pytest.raises(ValueError, match="gae needs the critic's values"):
+        advantages(Estimator.GAE, t(1.0), rows([1]))
+    assert Estimator.GAE.needs_critic and not Estimator.RLOO.needs_critic and Estimator.RLOO.is_group
+
+
+def test_whiten_ignores_padding():
+    out = whiten(rows([1.0, 100.0], [3.0, 100.0]), rows([1, 0], [1, 0]))
+    torch.testing.assert_close(out, rows([-1.0, 0.0], [1.0, 0.0]), atol=1e-6, rtol=0)
+
+
+def test_kl_estimators_by_hand():
+    logp, ref = torch.log(t(0.5)), torch.log(t(0.25))  # log r = log(ref/π) = -log 2
+    assert kl_per_token(logp, ref, KLEstimator.K1).item() == pytest.approx(math.log(2))
+    assert kl_per_token(logp, ref, KLEstimator.K2).item() == pytest.approx(0.5 * math.log(2) ** 2)
+    assert kl_per_token(logp, ref, KLEstimator.K3).item() == pytest.approx(0.5 - 1 + math.log(2))
+    assert kl_per_token(t(0.0), t(-1e6), KLEstimator.K3).isfinite().all()  # clamped, no overflow
+    for k in KLEstimator:
+        assert kl_per_token(t(-1.3), t(-1.3), k).item() == 0.0
+
+
+def test_adaptive_kl_coefficient():
+    assert adaptive_kl_coef(0.1, 0.12, 0.1, horizon=10000, batch_size=64) == pytest.approx(0.1 * (1 + 0.2 * 64 / 10000))
+    assert adaptive_kl_coef(0.1, 0.0, 0.1, horizon=100, batch_size=10) == pytest.approx(0.1 * (1 - 0.2 * 0.1))
+
+
+def test_policy_loss_clipping_by_hand():
+    one = rows([1])
+    loss, m = policy_loss(torch.log(rows([1.5])), rows([0.0]), one, one)
+    assert loss.item() == pytest.approx(-1.2) and m["clip_frac"].item() == 1.0  # ratio 1.5 clipped at 1.2
+    loss, m = policy_loss(torch.log(rows([1.5])), rows([0.0]), one, one, clip_high=0.6)
+    assert loss.item() == pytest.approx(-1.5) and m["clip_frac"].item() == 0.0  # clip-higher lets it through
+    loss, _ = policy_loss(torch.log(rows([0.5])), rows([0.0]), -one, one)
+    assert loss.item() == pytest.approx(0.8)  # negative advantage: ratio clipped at 0.8
+    loss, _ = policy_loss(torch.log(rows([5.0])), rows([0.0]), -one, one)
+    assert loss.item() == pytest.approx(5.0)
+    loss, _ = policy_loss(torch.log(rows([5.0])), rows([0.0]), -one, one, dual_clip=3.0)
+    assert loss.item() == pytest.approx(3.0)  # dual clip bounds it at c·|A|
+
+
+def test_policy_loss_aggregation():
+    per = rows([1.0, 3.0], [5.0, 9.0])  # -A with ratio 1: the per-token loss
+    mask = rows([1, 1], [1, 0])
+    token, _ = policy_loss(torch.zeros_like(per), torch.zeros_like(per), -per, mask, num_tokens=3)
+    assert token.item() == pytest.approx((1 + 3 + 5) / 3)
+    seq, _ = policy_loss(torch.zeros_like(per), torch.zeros_like(per), -per, mask, agg="sequence", num_sequences=2)
+    assert seq.item() == pytest.approx((2 + 5) / 2)
+
+
+@pytest.mark.parametrize("agg", ["token", "sequence"])
+def test_policy_loss_gradient_is_the_same_over_micro_batches(agg):
+    torch.manual_seed(0)
+    logits = torch.randn(6, 5, dtype=torch.float64, requires_grad=True)
+    old, adv = torch.randn(6, 5, dtype=torch.float64), torch.randn(6, 5, dtype=torch.float64)
+    mask = (torch.rand(6, 5) > 0.3).to(torch.float64)
+    mask[:, 0] = 1
+    totals = {"num_tokens": float(mask.sum()), "num_sequences": 6.0}
+    full, _ = policy_loss(logits, old, adv, mask, agg=agg, **totals)
+    (g_full,) = torch.autograd.grad(full, logits)
+    parts = sum(policy_loss(logits[k:k + 2], old[k:k + 2], adv[k:k + 2], mask[k:k + 2], agg=agg, **totals)[0] for k in (0, 2, 4))
+    (g_parts,) = torch.autograd.grad(parts, logits)
+    torch.testing.assert_close(parts, full)
+    torch.testing.assert_close(g_parts, g_full)
+
+
+def test_value_loss_by_hand():
+    one = rows([1])
+    loss, m = value_loss(rows([1.0]), rows([0.5]), rows([0.0]), one, clip=0.2)
+    assert loss.item() == pytest.approx(0.5) and m["value_clip_frac"].item() == 1.0  # unclipped error is larger
+    loss, _ = value_loss(rows([0.9]), rows([0.5]), rows([1.0]), one, clip=0.2)
+    assert loss.item() == pytest.approx(0.5 * 0.3**2)  # clipped value 0.7 is further from the target
+    loss, _ = value_loss(rows([0.9]), rows([0.5]), rows([1.0]), one, clip=None)
+    assert loss.item() == pytest.approx(0.5 * 0.1**2)
+
+
+def test_entropy_of_a_uniform_distribution():
+    assert entropy_from_logits(torch.zeros(1, 1, 4)).item() == pytest.approx(math.log(4))
