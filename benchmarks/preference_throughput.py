@@ -57,10 +57,13 @@ What is measured
   When the run has at least 62 steps the step time of the first 62 steps is used ("measured", warmup steps included);
   otherwise it is estimated as 62 x the mean timed step time ("est."). The RM has no reference pass, so its epoch
   figure would be its per-step figure and is not shown.
-- tokens/step: real (non-pad) tokens of the step's forwards (chosen + rejected rows, prompt included), counted from
-  the collated batches on both sides (alignflow: by wrapping the stage's `collate_pairs` during the training steps;
-  TRL: `attention_mask.sum()` of the collated micro-batches). "padded" is the tensor size (rows x width), i.e. what
-  the forwards actually computed.
+- tokens/step: real (non-pad) tokens of the step's forwards, counted from the collated batches on both sides
+  (alignflow: by wrapping `stages.common.pairs.collate_pairs` during the training steps; TRL: `attention_mask.sum()`
+  of the collated micro-batches). "padded" is the tensor size (rows x width), i.e. what the forwards computed.
+  alignflow runs a pair as ONE row with the prompt once (`prompt | chosen | rejected`, a 4D mask hides the chosen
+  tokens from the rejected ones; prefix sharing, Wang et al. 2024), TRL as two rows that each repeat the prompt, so
+  alignflow's tokens/step are fewer for the same pairs: that is one of the two speed levers being measured (the
+  other is DPO's one-time reference pass). The per-pair outputs are the same (tests/unit/test_preference_data.py).
 
 Differences that remain (each is part of what the framework does; none changes the work per pair)
 - batch composition: alignflow sorts the 32 pairs of a step by length before cutting micro-batches (less padding);
@@ -125,11 +128,11 @@ NEVER = 10**9  # eval / checkpoint / log cadence that never triggers inside the 
 
 VARIANTS = {"dpo": ("alignflow", "trl", "trl-precompute"), "rm": ("alignflow", "trl")}
 LABELS = {
-    ("dpo", "alignflow"): "reference log-probs once, before step 1",
+    ("dpo", "alignflow"): "reference log-probs once, before step 1; prompt once per pair",
     ("dpo", "trl"): "reference model forward every step (TRL default)",
     ("dpo", "trl-precompute"): "precompute_ref_log_probs=True",
-    ("rm", "alignflow"): "chosen + rejected in one forward",
-    ("rm", "trl"): "chosen + rejected in one forward",
+    ("rm", "alignflow"): "one row per pair, prompt once (prefix sharing)",
+    ("rm", "trl"): "chosen + rejected rows in one forward",
 }
 
 
@@ -190,12 +193,14 @@ def worker_alignflow(args: argparse.Namespace) -> dict[str, Any]:
     spans: list[tuple[float, float]] = []
     counts: list[dict[str, int]] = []
     current: dict[str, int] | None = None
-    train_step, collate_pairs = stage.train_step, stage.collate_pairs
+    from alignflow.stages.common import pairs as pairs_module
+
+    train_step, collate_pairs = stage.train_step, pairs_module.collate_pairs
 
     def counted_collate_pairs(pairs, pad_id):  # tokens of the training steps only (not the reference pass or eval)
         batch = collate_pairs(pairs, pad_id)
         if current is not None:
-            current["tokens"] += int(batch.attention_mask.sum())
+            current["tokens"] += sum(len(p) for p in pairs)  # real tokens of the shared-prompt rows
             current["padded"] += int(batch.input_ids.numel())
             current["micro_rows"].append(int(batch.input_ids.shape[0]))
         return batch
@@ -212,15 +217,15 @@ def worker_alignflow(args: argparse.Namespace) -> dict[str, Any]:
             current = None
 
     stage.train_step = timed_train_step  # main() and pair_logps / pair_rewards look the names up at call time
-    stage.collate_pairs = counted_collate_pairs
+    pairs_module.collate_pairs = counted_collate_pairs
     result = stage.main(cfg, output_uri=str(Path(args.tmp) / f"{s}-out"))
     metrics = json.loads((Path(result["uri"]) / "metrics.json").read_text())
     history = [h for h in metrics["history"] if h["step"] >= 1 and "step_time_s" in h]
     if len(history) != total or len(spans) != total:
         raise RuntimeError(f"expected {total} steps, metrics.json has {len(history)}, timed {len(spans)}")
     for i, c in enumerate(counts):
-        if c["micro_rows"] != [2 * MICRO_BATCH] * (GLOBAL_BATCH // MICRO_BATCH):
-            raise RuntimeError(f"alignflow step {i + 1} ran forwards of {c['micro_rows']} rows, expected 2 x {2 * MICRO_BATCH}")
+        if c["micro_rows"] != [MICRO_BATCH] * (GLOBAL_BATCH // MICRO_BATCH):  # one shared-prompt row per pair
+            raise RuntimeError(f"alignflow step {i + 1} ran forwards of {c['micro_rows']} rows, expected 2 x {MICRO_BATCH}")
     steps = [
         {"step": h["step"], "pairs": GLOBAL_BATCH, "tokens": counts[i]["tokens"], "padded": counts[i]["padded"],
          "step_time_s": h["step_time_s"], "pairs_per_s_reported": h.get("pairs_per_s"), "loss": h["loss"],

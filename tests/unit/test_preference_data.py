@@ -4,6 +4,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from alignflow.config import KTODataConfig, PreferenceDataConfig
 from alignflow.stages.common.data import DataError
@@ -23,13 +24,44 @@ def pairs_cfg(path: str, **kw) -> PreferenceDataConfig:
 
 def test_a_pair_shares_its_prompt_and_trains_on_responses(tmp_path, tokenizer):
     (pair,), _, _ = load_pairs(pairs_cfg(jsonl(tmp_path, [{"prompt": "1+2", "chosen": "3", "rejected": "12"}])), tokenizer, 0)
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "1+2"}], add_generation_prompt=True, tokenize=False)
     for sample, response in ((pair.chosen, "3"), (pair.rejected, "12")):
-        assert tokenizer.decode(sample.input_ids) == tokenizer.apply_chat_template(
-            [{"role": "user", "content": "1+2"}], add_generation_prompt=True, tokenize=False) + response + "<|end|>"
+        assert tokenizer.decode(sample.input_ids) == prompt + response + "<|end|>"
         assert tokenizer.decode([t for t, m in zip(sample.input_ids, sample.loss_mask) if m]) == response + "<|end|>"
-    batch = collate_pairs([pair, pair], tokenizer.pad_token_id)
-    assert batch.input_ids.shape[0] == 4 and batch.input_ids[0].tolist()[:len(pair.chosen)] == pair.chosen.input_ids
-    assert batch.input_ids[2].tolist()[:len(pair.rejected)] == pair.rejected.input_ids  # rejected rows come after the chosen ones
+    batch = collate_pairs([pair], tokenizer.pad_token_id)
+    p = pair.prompt_len
+    assert tokenizer.decode(batch.input_ids[0]) == prompt + "3<|end|>12<|end|>"  # the prompt once
+    assert batch.position_ids[0].tolist() == list(range(p + 2)) + list(range(p, p + 3))  # rejected continues the prompt
+    assert batch.source[0, p + 2].item() == p - 1 and batch.source[0, p + 3].item() == p + 2
+    mask = batch.attention_mask[0, 0]
+    assert not mask[p + 2:, p:p + 2].any() and mask[p + 2:, :p].all()  # rejected sees the prompt, not the chosen
+    assert batch.chosen_mask[0].tolist() == [0] * p + [1, 1, 0, 0, 0] and batch.rejected_mask[0].tolist() == [0] * (p + 2) + [1, 1, 1]
+    assert (batch.chosen_end.item(), batch.rejected_end.item()) == (p + 1, p + 4)
+
+
+def test_shared_rows_compute_what_separate_rows_do(tmp_path, tokenizer, tiny_model_path):
+    """The slow reference (each response in its own row) against the shared-prompt rows."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    from alignflow.stages.common.data import collate
+    from alignflow.stages.common.logprobs import forward_logprobs, sequence_logprobs
+    from alignflow.stages.common.pairs import pair_logps, pair_rewards
+
+    rows = [{"prompt": "12+34", "chosen": "46", "rejected": "4600"}, {"prompt": "rev abcd", "chosen": "dcba", "rejected": "x"}]
+    pairs, _, _ = load_pairs(pairs_cfg(jsonl(tmp_path, rows)), tokenizer, 0)
+    pad = tokenizer.pad_token_id
+    torch.manual_seed(0)
+    lm = AutoModelForCausalLM.from_pretrained(tiny_model_path).eval()
+    shared = pair_logps(lm, pairs, pad, "cpu")
+    for name in ("chosen", "rejected"):
+        batch = collate([getattr(p, name) for p in pairs], pad, packed=False)
+        torch.testing.assert_close(shared[name], sequence_logprobs(forward_logprobs(lm, batch), batch.loss_mask), atol=1e-4, rtol=0)
+    rm = AutoModelForSequenceClassification.from_pretrained(tiny_model_path, num_labels=1).eval()
+    rm.config.pad_token_id = pad
+    chosen, rejected = pair_rewards(rm, rm.score, pairs, pad, "cpu")
+    for name, got in (("chosen", chosen), ("rejected", rejected)):
+        batch = collate([getattr(p, name) for p in pairs], pad, packed=False)
+        torch.testing.assert_close(got, rm(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, 0], atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("row, message", [

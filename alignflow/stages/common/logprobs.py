@@ -33,3 +33,12 @@ def forward_logprobs(model: torch.nn.Module, batch) -> torch.Tensor:
     logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids,
                    use_cache=False).logits
     return token_logprobs(logits, batch.input_ids)
+
+
+def sourced_logprobs(logits: torch.Tensor, source: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    """(B, T) log p(input_ids[:, t]) read from the output at position source[:, t]: the usual
+    next-token shift generalised to rows where a token's predecessor is not the token before
+    it (shared-prompt pair rows). Entries whose token is not a target are garbage; mask them."""
+    picked = logits.gather(1, source.unsqueeze(-1).expand(-1, -1, logits.size(-1))).float()
+    nll = F.cross_entropy(picked.reshape(-1, picked.size(-1)), input_ids.reshape(-1), reduction="none")
+    return -nll.view_as(input_ids)

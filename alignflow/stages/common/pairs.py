@@ -1,7 +1,11 @@
 """Preference pairs (prompt, chosen, rejected) as token samples: shared by the rm and dpo stages.
 
-A pair is two samples with the same prompt tokens. Chosen and rejected go through the model
-in one forward: a micro-batch of B pairs is one (2B, T) batch, chosen rows first.
+A pair runs through the model as ONE row with the prompt once: `prompt | chosen | rejected`
+(prefix sharing, as in Wang et al. 2024, "Accelerating Direct Preference Optimization with
+Prefix Sharing"). The rejected tokens take position ids that continue the prompt and a
+4D attention mask that hides the chosen tokens from them, so every token sees exactly what
+it would see in its own `prompt | response` row: the outputs are the same as two separate
+rows (a test checks), with the prompt computed once instead of twice.
 """
 
 from __future__ import annotations
@@ -9,8 +13,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import torch
+
 from alignflow.config import PreferenceDataConfig
-from alignflow.stages.common.data import DataError, Sample, TokenBatch, chat_prompt_text, collate, encode, load_rows, require_str, response_sample
+from alignflow.stages.common.data import DataError, Sample, chat_prompt_text, encode, load_rows, require_str, response_sample
+from alignflow.stages.common.logprobs import sourced_logprobs
 
 
 @dataclass
@@ -19,8 +26,84 @@ class Pair:
     rejected: Sample
     margin: float = 0.0
 
-    def __len__(self) -> int:
-        return max(len(self.chosen), len(self.rejected))
+    @property
+    def prompt_len(self) -> int:
+        return self.chosen.loss_mask.index(1)
+
+    def __len__(self) -> int:  # tokens of the shared row
+        return len(self.chosen) + len(self.rejected) - self.prompt_len
+
+
+@dataclass
+class PairBatch:
+    """B pairs as B shared rows of width T."""
+
+    input_ids: torch.Tensor  # (B, T)
+    position_ids: torch.Tensor  # (B, T)
+    attention_mask: torch.Tensor  # (B, 1, T, T) bool, True = may attend
+    source: torch.Tensor  # (B, T) position whose output predicts token t (t - 1, or the prompt's end for the first rejected token)
+    chosen_mask: torch.Tensor  # (B, T) float, 1 on chosen response tokens
+    rejected_mask: torch.Tensor  # (B, T) float, 1 on rejected response tokens
+    chosen_end: torch.Tensor  # (B,) index of the chosen response's last token (its EOS)
+    rejected_end: torch.Tensor  # (B,)
+
+    def to(self, device) -> "PairBatch":
+        return PairBatch(*(getattr(self, f).to(device) for f in self.__dataclass_fields__))
+
+
+def collate_pairs(pairs: list[Pair], pad_id: int) -> PairBatch:
+    width = max(len(p) for p in pairs)
+    b = len(pairs)
+    ids = torch.full((b, width), pad_id, dtype=torch.long)
+    pos = torch.zeros((b, width), dtype=torch.long)
+    source = torch.zeros((b, width), dtype=torch.long)
+    chosen_mask, rejected_mask = torch.zeros((b, width)), torch.zeros((b, width))
+    allowed = torch.eye(width, dtype=torch.bool).repeat(b, 1, 1, 1)  # pads see themselves only (no empty softmax rows)
+    ends = torch.zeros((2, b), dtype=torch.long)
+    for i, pair in enumerate(pairs):
+        p, c, r = pair.prompt_len, len(pair.chosen) - pair.prompt_len, len(pair.rejected) - pair.prompt_len
+        n = p + c + r
+        ids[i, :n] = torch.tensor(pair.chosen.input_ids + pair.rejected.input_ids[p:])
+        pos[i, :n] = torch.cat([torch.arange(p + c), torch.arange(p, p + r)])
+        source[i, 1:n] = torch.arange(n - 1)
+        source[i, p + c] = p - 1  # the first rejected token follows the prompt, not the chosen response
+        chosen_mask[i, p:p + c], rejected_mask[i, p + c:n] = 1.0, 1.0
+        allowed[i, 0, :n, :n] = torch.tril(torch.ones(n, n, dtype=torch.bool))
+        allowed[i, 0, p + c:n, p:p + c] = False  # rejected tokens do not see the chosen ones
+        ends[:, i] = torch.tensor([p + c - 1, n - 1])
+    return PairBatch(ids, pos, allowed, source, chosen_mask, rejected_mask, ends[0], ends[1])
+
+
+def pair_logps(model, pairs: list[Pair], pad_id: int, device) -> dict[str, torch.Tensor]:
+    """Summed response log-probs of chosen and rejected (one shared-prompt row per pair), and
+    the token-mean NLL of each chosen response (for the optional NLL term)."""
+    batch = collate_pairs(pairs, pad_id).to(device)
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids,
+                   use_cache=False).logits
+    logps = sourced_logprobs(logits, batch.source, batch.input_ids)
+    chosen = (logps * batch.chosen_mask).sum(-1)
+    return {"chosen": chosen, "rejected": (logps * batch.rejected_mask).sum(-1),
+            "nll": -chosen / batch.chosen_mask.sum(-1).clamp(min=1)}
+
+
+def pair_rewards(model, head: torch.nn.Module, pairs: list[Pair], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(chosen, rejected) rewards of B pairs, one shared-prompt row each, read at each response's EOS."""
+    batch = collate_pairs(pairs, pad_id).to(device)
+    scores = token_scores(model, head, batch)
+    rows = torch.arange(len(pairs), device=scores.device)
+    return scores[rows, batch.chosen_end], scores[rows, batch.rejected_end]
+
+
+def token_scores(model, head: torch.nn.Module, batch) -> torch.Tensor:
+    """(B, T) output of the scalar head at every position. transformers' classifier returns only
+    the score it pools at the last non-padding token, so the head's output is taken with a hook."""
+    captured = []
+    handle = head.register_forward_hook(lambda module, args, output: captured.append(output))
+    try:
+        model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids, use_cache=False)
+    finally:
+        handle.remove()
+    return captured[0][..., 0].float()
 
 
 def pair_from_row(row: dict, where: str, tokenizer, cfg: PreferenceDataConfig) -> Pair:
@@ -49,8 +132,3 @@ def _margin(row: dict, where: str, key: str) -> float:
 
 def load_pairs(cfg: PreferenceDataConfig, tokenizer, seed: int) -> tuple[list[Pair], list[Pair], dict]:
     return load_rows(cfg, lambda where, row: pair_from_row(row, where, tokenizer, cfg), seed)
-
-
-def collate_pairs(pairs: list[Pair], pad_id: int) -> TokenBatch:
-    """One (2B, T) batch: rows [0, B) are the chosen responses, rows [B, 2B) the rejected ones."""
-    return collate([p.chosen for p in pairs] + [p.rejected for p in pairs], pad_id, packed=False)

@@ -6,8 +6,8 @@ Run by hand:  alignflow stage dpo --config configs/tiny.yaml --set pipeline=dpo
 The policy starts from the SFT model; the frozen reference is that same model, so its
 log-probs of every chosen and rejected response are computed before the first step and
 stored with the stage (`stages.common.reference`): no reference model in memory and no
-reference forward per step. Log-probs are sums over response tokens; chosen and rejected
-run in one forward. The loss is a mean over the pairs of the whole optimizer step.
+reference forward per step. Log-probs are sums over response tokens; a pair is one row
+with the prompt once (`stages.common.pairs`). The loss is a mean over the pairs of the whole optimizer step.
 """
 
 from __future__ import annotations
@@ -18,9 +18,8 @@ import torch
 
 from alignflow.config import DPOConfig, PipelineConfig, Stage
 from alignflow.stages.common.checkpoint import seed_everything
-from alignflow.stages.common.logprobs import forward_logprobs, sequence_logprobs
 from alignflow.stages.common.models import load_causal_lm, load_tokenizer
-from alignflow.stages.common.pairs import Pair, collate_pairs, load_pairs
+from alignflow.stages.common.pairs import Pair, load_pairs, pair_logps
 from alignflow.stages.common.progress import Timer
 from alignflow.stages.common.reference import reference_logps
 from alignflow.stages.common.rowwise import RowBuffer, all_rows, step_rows
@@ -64,17 +63,6 @@ def main(cfg: PipelineConfig, output_uri: str | None = None, inputs: dict[str, s
 
     # ------------------------------------------------------------------ publish
     return run.publish(tokenizer, CURVES, stats)
-
-
-def pair_logps(model, pairs: list[Pair], pad_id: int, device) -> dict[str, torch.Tensor]:
-    """Summed response log-probs of chosen and rejected (one (2B, T) forward), and the token-mean
-    NLL of each chosen response (for the optional NLL term)."""
-    batch = collate_pairs(pairs, pad_id).to(device)
-    token_logps = forward_logprobs(model, batch)
-    sums = sequence_logprobs(token_logps, batch.loss_mask)
-    n = len(pairs)
-    chosen_tokens = batch.loss_mask[:n, 1:].sum(-1).clamp(min=1)
-    return {"chosen": sums[:n], "rejected": sums[n:], "nll": -sums[:n] / chosen_tokens}
 
 
 def loss_of(policy: dict[str, torch.Tensor], ref: Reference, rows: list[int], dpo: DPOConfig):

@@ -5,7 +5,8 @@ Run by hand:  alignflow stage rm --config configs/tiny.yaml --set pipeline=full 
 
 The model is transformers' `AutoModelForSequenceClassification` with one label on top of the
 SFT backbone; the score is read at the last non-padding token (the EOS ending the response).
-Chosen and rejected run in one forward. After training, the mean and std of the reward over
+A pair is one row with the prompt once (`stages.common.pairs`); its two scores are read at
+the two EOS positions. After training, the mean and std of the reward over
 the training responses go into the published `config.json` (`alignflow_reward_mean`/`_std`),
 for the RL stage to normalise with; `alignflow.stages.rm.scoring.RewardScorer` loads it back.
 """
@@ -19,7 +20,7 @@ import torch
 from alignflow.config import PipelineConfig, RMConfig, Stage
 from alignflow.stages.common.checkpoint import seed_everything
 from alignflow.stages.common.models import REWARD_MEAN, REWARD_STD, load_reward_model, load_tokenizer
-from alignflow.stages.common.pairs import Pair, collate_pairs, load_pairs
+from alignflow.stages.common.pairs import Pair, load_pairs, pair_rewards
 from alignflow.stages.common.progress import Timer
 from alignflow.stages.common.rowwise import RowBuffer, all_rows, step_rows
 from alignflow.stages.common.run import TrainingRun, total_steps
@@ -46,7 +47,8 @@ def main(cfg: PipelineConfig, output_uri: str | None = None, inputs: dict[str, s
         model = load_reward_model(base, rm.model, tokenizer.pad_token_id)
     seed_everything(rm.batch.seed + strategy.rank)
     strategy.prepare(model, steps)
-    score = lambda pairs: pair_rewards(strategy.engine, pairs, tokenizer.pad_token_id, strategy.device)  # noqa: E731
+    head = strategy.unwrap().score
+    score = lambda pairs: pair_rewards(strategy.engine, head, pairs, tokenizer.pad_token_id, strategy.device)  # noqa: E731
     evaluate = lambda: held_out(strategy, held, rm, score)  # noqa: E731
     run.start(strategy, steps, "pairs_per_s", evaluate)
 
@@ -57,13 +59,6 @@ def main(cfg: PipelineConfig, output_uri: str | None = None, inputs: dict[str, s
     norm = reward_normalization(strategy, train, rm.batch.micro_batch_size, score)
     strategy.unwrap().config.update({REWARD_MEAN: norm["reward/mean"], REWARD_STD: norm["reward/std"]})
     return run.publish(tokenizer, CURVES, stats, final=norm)
-
-
-def pair_rewards(engine, pairs: list[Pair], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(chosen, rejected) rewards of B pairs from one (2B, T) forward."""
-    batch = collate_pairs(pairs, pad_id).to(device)
-    scores = engine(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits[:, 0].float()
-    return scores[: len(pairs)], scores[len(pairs):]
 
 
 def margins(pairs: list[Pair], rm: RMConfig) -> torch.Tensor | None:
