@@ -198,6 +198,35 @@ class Pipeline(str, enum.Enum):
         return (Stage.SFT,)
 
 
+class Estimator(str, enum.Enum):
+    GAE = "gae"  # PPO with a critic (Schulman et al. 2016)
+    REINFORCE = "reinforce"  # REINFORCE++ (Hu et al. 2025)
+    REINFORCE_BASELINE = "reinforce_baseline"  # REINFORCE++-baseline (Hu et al. 2025)
+    RLOO = "rloo"  # Ahmadian et al. 2024
+    GROUP_NORM = "group_norm"  # GRPO (Shao et al. 2024)
+    DR_GRPO = "dr_grpo"  # Dr. GRPO (Liu et al. 2025)
+
+    @property
+    def needs_critic(self) -> bool:
+        return self == Estimator.GAE
+
+    @property
+    def is_group(self) -> bool:
+        """Its baseline comes from the other samples of the same prompt: n_samples_per_prompt >= 2."""
+        return self in (Estimator.REINFORCE_BASELINE, Estimator.RLOO, Estimator.GROUP_NORM, Estimator.DR_GRPO)
+
+    @property
+    def whitens(self) -> bool:
+        """Advantages normalised over the whole batch (REINFORCE++'s global normalisation)."""
+        return self in (Estimator.REINFORCE, Estimator.REINFORCE_BASELINE)
+
+
+class KLEstimator(str, enum.Enum):
+    K1 = "k1"
+    K2 = "k2"
+    K3 = "k3"
+
+
 class RayConfig(Frozen):
     address: str | None = Field(None, description="Ray dashboard/Jobs API URL (http://host:8265) of an existing cluster; "
                                                   "unset: alignflow starts a local head on 127.0.0.1 (or uses ALIGNFLOW_RAY_ADDRESS).")
@@ -217,6 +246,7 @@ class TrainingSection(Frozen):
     """What every training stage has: model, optimizer, batch, DeepSpeed, checkpoints, logging."""
 
     model: ModelConfig = ModelConfig()
+    data: DataSource  # each stage narrows it to its own rows
     optim: OptimConfig = OptimConfig()
     batch: BatchConfig = BatchConfig()
     deepspeed: DeepSpeedConfig = DeepSpeedConfig()
@@ -234,6 +264,10 @@ class TrainingSection(Frozen):
 
     def config_hash(self) -> str:
         return stable_hash(result_fields(self))
+
+    def sources(self) -> dict[str, str]:
+        """Named files the result depends on (their content enters the cache key, not their paths)."""
+        return {"data": self.data.path, **({"eval_data": self.data.eval_path} if self.data.eval_path else {})}
 
 
 class SFTConfig(TrainingSection):
@@ -287,6 +321,140 @@ class KTOConfig(TrainingSection):
         return self
 
 
+class PromptDataConfig(DataSource):
+    """Prompts for the rl stage. Every other column of a row (e.g. `answer`) reaches the reward function."""
+
+    prompt_key: str = "prompt"
+
+
+class GenerationConfig(Frozen):
+    engine: Literal["hf"] = Field("hf", description="Rollout backend: `hf` (transformers, KV cache).")
+    max_new_tokens: int = Field(16, ge=1)
+    temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0, description="0 = off")
+    n_samples_per_prompt: int = Field(1, ge=1, description="Responses sampled per prompt (a group, for group estimators).")
+    batch_size: int = Field(64, ge=1, description="Sequences per generation call.", json_schema_extra=NOT_RESULT)
+
+
+class RewardConfig(Frozen):
+    function: str | None = Field(None, description="`path/to/file.py:name`: called with prompts, completions, their token "
+                                                   "ids and the rows' other columns; returns one float per sample.",
+                                 json_schema_extra=NOT_RESULT)  # enters the cache key as the file's content hash
+    model: bool = Field(False, description="Score with the reward model of the rm stage (pipeline `full`).")
+    normalize: bool = Field(True, description="Reward-model scores as (s - mean) / std with the rm stage's stored figures.")
+    overlong_buffer: int = Field(0, ge=0, description="DAPO's soft overlong penalty: the last N tokens before max_new_tokens.")
+    overlong_penalty: float = Field(1.0, ge=0, description="Penalty at max_new_tokens, linear over the buffer.")
+
+    @field_validator("function")
+    @classmethod
+    def _function_file_exists(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        path, sep, name = v.rpartition(":")
+        if not sep or not path or not name.isidentifier():
+            raise ValueError(f"reward function {v!r} is not of the form path/to/file.py:function_name")
+        file = Path(path).expanduser()
+        if not file.is_file():
+            raise ValueError(f"reward function file not found: {path!r} (relative paths are resolved against {Path.cwd()})")
+        return f"{file.resolve()}:{name}"
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "RewardConfig":
+        if bool(self.function) == self.model:
+            raise ValueError("give exactly one reward source: `function: file.py:name` or `model: true`")
+        return self
+
+
+class AdvantageConfig(Frozen):
+    estimator: Estimator = Field(Estimator.GROUP_NORM, description="gae | reinforce | reinforce_baseline | rloo | group_norm | dr_grpo")
+    gamma: float = Field(1.0, ge=0, le=1)
+    lam: float = Field(0.95, ge=0, le=1, description="GAE λ")
+
+
+class KLConfig(Frozen):
+    coef: float = Field(0.0, ge=0, description="β of the KL to the reference policy (0 = no reference model).")
+    placement: Literal["reward", "loss"] = Field("loss", description="Per-token penalty in the reward, or a loss term.")
+    estimator: KLEstimator = KLEstimator.K3
+    target: float | None = Field(None, gt=0, description="Adapt β toward this KL (Ziegler et al. 2019); unset = fixed.")
+    horizon: int = Field(10000, ge=1)
+
+
+class PolicyLossConfig(Frozen):
+    clip_low: float = Field(0.2, gt=0, lt=1)
+    clip_high: float = Field(0.2, gt=0, description="> clip_low: clip-higher (DAPO).")
+    dual_clip: float | None = Field(None, gt=1, description="Dual-clip bound c for negative advantages.")
+    aggregation: Literal["token", "sequence"] = "token"
+    entropy_coef: float = Field(0.0, ge=0)
+    epochs: int = Field(1, ge=1, description="Passes over each rollout batch.")
+
+
+class CriticConfig(Frozen):
+    """The value model of PPO (estimator gae): starts from the reward model when there is one, else the SFT model."""
+
+    optim: OptimConfig = OptimConfig()
+    value_clip: float | None = Field(0.2, gt=0)
+
+
+class RolloutConfig(Frozen):
+    prompts_per_step: int = Field(16, ge=1, description="Prompts sampled per RL step.")
+    dynamic_sampling: bool = Field(False, description="Drop groups whose rewards are all equal; sample more prompts to refill.")
+    max_sampling_rounds: int = Field(3, ge=1, description="Cap on sampling rounds per step with dynamic sampling.")
+
+
+class WorkersConfig(Frozen):
+    """Ray worker groups inside the rl job. `colocate`: `all` roles share every bundle, `pairs` puts actor +
+    reference and critic + reward together (rollout apart), `none` gives each role its own bundles."""
+
+    actor: int = Field(1, ge=1)
+    critic: int = Field(1, ge=1)
+    reference: int = Field(1, ge=1)
+    reward: int = Field(1, ge=1)
+    cpus_per_worker: float = Field(1, gt=0, json_schema_extra=NOT_RESULT)
+    gpus_per_worker: float = Field(0, ge=0, json_schema_extra=NOT_RESULT)
+    colocate: Literal["all", "pairs", "none"] = Field("all", json_schema_extra=NOT_RESULT)
+
+
+class RLConfig(TrainingSection):
+    """RL on prompts: PPO (gae, with a critic), GRPO, Dr. GRPO, REINFORCE++(-baseline), RLOO.
+    `batch.global_batch_size` counts responses per optimizer step; `batch.max_steps` and `epochs` count RL steps."""
+
+    model: BaseModelConfig = BaseModelConfig()
+    data: PromptDataConfig
+    generation: GenerationConfig = GenerationConfig()
+    reward: RewardConfig
+    advantage: AdvantageConfig = AdvantageConfig()
+    kl: KLConfig = KLConfig()
+    policy: PolicyLossConfig = PolicyLossConfig()
+    critic: CriticConfig | None = None
+    rollout: RolloutConfig = RolloutConfig()
+    workers: WorkersConfig = WorkersConfig()
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "RLConfig":
+        estimator, n = self.advantage.estimator, self.generation.n_samples_per_prompt
+        if estimator.is_group and n < 2:
+            raise ValueError(f"advantage.estimator={estimator.value} baselines each sample with the other samples of its "
+                             f"prompt: it needs generation.n_samples_per_prompt >= 2, not {n}")
+        if estimator.needs_critic and self.critic is None:
+            raise ValueError("advantage.estimator=gae needs a critic: add a `critic:` section (or pick a critic-free "
+                             "estimator such as group_norm)")
+        if self.critic is not None and not estimator.needs_critic:
+            raise ValueError(f"a `critic:` section is only used by advantage.estimator=gae, not {estimator.value}")
+        samples = self.rollout.prompts_per_step * n
+        if samples % self.batch.global_batch_size:
+            raise ValueError(f"rollout.prompts_per_step x generation.n_samples_per_prompt = {samples} responses per step "
+                             f"must be a multiple of batch.global_batch_size ({self.batch.global_batch_size})")
+        return self
+
+    def sources(self) -> dict[str, str]:
+        sources = super().sources()
+        if self.reward.function:
+            path, _, name = self.reward.function.rpartition(":")
+            sources[f"reward_function:{name}"] = path  # its content, not its path, is in the cache key
+        return sources
+
+
 class PipelineConfig(Frozen):
     name: str = Field("alignment", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", json_schema_extra=NOT_RESULT)
     pipeline: Pipeline = Field(Pipeline.SFT, description="sft | full (SFT -> RM -> PPO) | grpo | dpo | kto")
@@ -298,6 +466,7 @@ class PipelineConfig(Frozen):
     rm: RMConfig | None = None
     dpo: DPOConfig | None = None
     kto: KTOConfig | None = None
+    rl: RLConfig | None = None
 
     @property
     def stages(self) -> tuple[Stage, ...]:

@@ -12,11 +12,8 @@ from alignflow.infra import manifest, storage
 
 
 def data_sources(stage_cfg) -> dict[str, str]:
-    """Named data sources of a stage section (train data and, when given, eval data)."""
-    sources = {"data": stage_cfg.data.path}
-    if stage_cfg.data.eval_path:
-        sources["eval_data"] = stage_cfg.data.eval_path
-    return sources
+    """Named files a stage section's result depends on (data, eval data, a reward function)."""
+    return stage_cfg.sources()
 
 
 def data_inputs(stage_cfg) -> dict[str, str]:

@@ -18,32 +18,9 @@ One recipe for every estimator (the dispatch is `Estimator`'s properties, in one
 
 from __future__ import annotations
 
-import enum
-
 import torch
 
-
-class Estimator(str, enum.Enum):
-    GAE = "gae"  # PPO with a critic (Schulman et al. 2016)
-    REINFORCE = "reinforce"  # REINFORCE++ (Hu et al. 2025)
-    REINFORCE_BASELINE = "reinforce_baseline"  # REINFORCE++-baseline (Hu et al. 2025)
-    RLOO = "rloo"  # Ahmadian et al. 2024
-    GROUP_NORM = "group_norm"  # GRPO (Shao et al. 2024)
-    DR_GRPO = "dr_grpo"  # Dr. GRPO (Liu et al. 2025)
-
-    @property
-    def needs_critic(self) -> bool:
-        return self == Estimator.GAE
-
-    @property
-    def is_group(self) -> bool:
-        """Its baseline comes from the other samples of the same prompt: n_samples_per_prompt >= 2."""
-        return self in (Estimator.REINFORCE_BASELINE, Estimator.RLOO, Estimator.GROUP_NORM, Estimator.DR_GRPO)
-
-    @property
-    def whitens(self) -> bool:
-        """Advantages normalised over the whole batch (REINFORCE++'s global normalisation)."""
-        return self in (Estimator.REINFORCE, Estimator.REINFORCE_BASELINE)
+from alignflow.config import Estimator  # noqa: F401 (the choice lives with the config; dispatched here)
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

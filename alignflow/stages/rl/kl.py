@@ -9,15 +9,9 @@ Estimators of KL(π || π_ref) from samples of π, per token, with log r = log �
 
 from __future__ import annotations
 
-import enum
-
 import torch
 
-
-class KLEstimator(str, enum.Enum):
-    K1 = "k1"
-    K2 = "k2"
-    K3 = "k3"
+from alignflow.config import KLEstimator
 
 
 def kl_per_token(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: KLEstimator, clamp: float = 20.0) -> torch.Tensor:
