@@ -166,7 +166,7 @@ class Stage(str, enum.Enum):
         return self in IMPLEMENTED_STAGES
 
 
-IMPLEMENTED_STAGES = frozenset({Stage.SFT, Stage.RM, Stage.DPO, Stage.KTO})
+IMPLEMENTED_STAGES = frozenset({Stage.SFT, Stage.RM, Stage.DPO, Stage.KTO, Stage.RL})
 
 
 class Pipeline(str, enum.Enum):
@@ -574,19 +574,44 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
 
 
 def load_config(path: str | Path, overrides: list[str] | None = None) -> PipelineConfig:
-    """Parse a YAML file (local path or storage URI such as s3://…) plus `--set` overrides."""
+    """Parse a YAML file (local path or storage URI such as s3://…) plus `--set` overrides.
+    A file may start from another with `base: other.yaml` (relative to it): its sections are
+    merged key by key over the base's."""
     text = _read_config_text(str(path))
+    raw = _with_base(_parse_yaml(text, str(path)), str(path), seen=(str(path),))
+    data = apply_overrides(raw, overrides or [])
+    try:
+        return PipelineConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(format_validation_error(exc, str(path), _yaml_lines(text), overrides or [])) from None
+
+
+def _parse_yaml(text: str, path: str) -> dict:
     try:
         raw = yaml.safe_load(text) or {}
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: the top level must be a mapping, got {type(raw).__name__}")
-    data = apply_overrides(raw, overrides or [])
-    try:
-        return PipelineConfig.model_validate(data)
-    except ValidationError as exc:
-        raise ConfigError(format_validation_error(exc, str(path), _yaml_lines(text), overrides or [])) from None
+    return raw
+
+
+def _with_base(raw: dict, path: str, seen: tuple[str, ...]) -> dict:
+    if "base" not in raw:
+        return raw
+    base = raw.pop("base")
+    base_path = base if "://" in base or Path(base).is_absolute() else str(Path(path.removeprefix("file://")).parent / base)
+    if base_path in seen:
+        raise ConfigError(f"{path}: `base: {base}` makes a cycle ({' -> '.join(seen)})")
+    parent = _with_base(_parse_yaml(_read_config_text(base_path), base_path), base_path, seen + (base_path,))
+    return _merge(parent, raw)
+
+
+def _merge(base: dict, top: dict) -> dict:
+    out = dict(base)
+    for key, value in top.items():
+        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
 
 
 def _read_config_text(path: str) -> str:
@@ -618,7 +643,8 @@ def format_validation_error(exc: ValidationError, source: str, lines: dict[tuple
                     where = f"{source}:{lines[loc[:n]]}"
                     break
         value = err.get("input")
-        shown = "" if err["type"] == "missing" or not loc else f" (got {value!r})"  # the root's value is the whole file
+        # A whole section (or the whole file, at the root) is no value worth repeating.
+        shown = "" if err["type"] == "missing" or not loc or isinstance(value, dict) else f" (got {value!r})"
         msgs.append(f"{where}: {field}: {err['msg']}{shown}")
     return "invalid config:\n  " + "\n  ".join(msgs)
 

@@ -66,6 +66,19 @@ def visibly_wrong_answer(prompt: str, answer: str, rng: random.Random) -> str:
     return wrong if wrong != answer else answer + "0"
 
 
+NOISY_FIRST_LETTERS = "abcdefgh"
+
+
+def noisy_demonstration(prompt: str, response: str, rng: random.Random) -> str:
+    """A labeller's systematic slip in the SFT training demonstrations: for words starting with
+    a-h, 65% of the reversal demonstrations copy the word instead of reversing it. SFT learns the
+    slip (greedy decoding copies those words); RL with a verifier (data/rl) can fix it, which is
+    what the RL stage is for. Held-out SFT data and every other dataset stay clean."""
+    if prompt.startswith("rev ") and prompt[4] in NOISY_FIRST_LETTERS and rng.random() < 0.65:
+        return prompt[4:]
+    return response
+
+
 def write(name: str, rows: list[dict]) -> None:
     path = OUT / name
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -95,7 +108,8 @@ def main() -> None:
         pools[name] = interleave(add[offset:offset + n], rev[offset:offset + n])
         offset += n
 
-    write("sft/train.jsonl", [{"prompt": p, "response": r} for p, r in pools["sft_train"]])
+    noise = random.Random(4321)  # its own stream: the other files do not change with it
+    write("sft/train.jsonl", [{"prompt": p, "response": noisy_demonstration(p, r, noise)} for p, r in pools["sft_train"]])
     write("sft/eval.jsonl", [{"prompt": p, "response": r} for p, r in pools["sft_eval"]])
     chat = pools["chat"]
     write("sft/chat.jsonl", [

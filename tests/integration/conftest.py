@@ -12,7 +12,7 @@ from alignflow.config import load_config
 ROOT = Path(__file__).resolve().parents[2]
 
 
-QUIET = [f"{s}.logging.{k}" for s in ("sft", "rm", "dpo", "kto") for k in ("progress=false", "log_every=1000")]
+QUIET = [f"{s}.logging.{k}" for s in ("sft", "rm", "dpo", "kto", "rl") for k in ("progress=false", "log_every=1000")]
 
 
 def sft_config(tmp_path: Path, *overrides: str):
@@ -45,3 +45,14 @@ def losses(stage_uri: str) -> list[float]:
 @pytest.fixture(autouse=True)
 def _in_repo_root(monkeypatch):
     monkeypatch.chdir(ROOT)
+
+
+@pytest.fixture(scope="session")
+def tiny_rm(tiny_sft):
+    """configs/tiny.yaml's reward model, trained from `tiny_sft` in the same storage root, once per session."""
+    from alignflow.stages.rm.stage import main
+
+    sft_cfg, _ = tiny_sft
+    with contextlib.chdir(ROOT):
+        cfg = load_config(ROOT / "configs" / "tiny.yaml", [f"storage.root={sft_cfg.storage.root}", *QUIET, "pipeline=full", "stop_after=rm"])
+        return cfg, main(cfg)

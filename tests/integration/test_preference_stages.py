@@ -32,10 +32,9 @@ def eval_rows(name: str) -> list[dict]:
     return [json.loads(line) for line in (ROOT / "data" / name / "eval.jsonl").read_text().splitlines()]
 
 
-def test_rm_learns_and_its_published_model_scores_the_same(tiny_sft):
-    sft_cfg, sft = tiny_sft
-    cfg = config(sft_cfg.storage.root, "pipeline=full", "stop_after=rm")
-    result = stage_main("rm")(cfg)  # no --input: the SFT output is found from the config
+def test_rm_learns_and_its_published_model_scores_the_same(tiny_sft, tiny_rm):
+    _, sft = tiny_sft
+    _, result = tiny_rm  # configs/tiny.yaml's rm, run with no --input: the SFT output is found from the config
     m = result["metrics"]
     print(f"rm: held-out pairwise accuracy {m['eval/accuracy_initial']:.3f} -> {m['eval/accuracy']:.3f}, "
           f"margin {m['eval/margin']:.2f}, reward mean {m['reward/mean']:.3f} std {m['reward/std']:.3f}")

@@ -57,12 +57,13 @@ def seed_everything(seed: int) -> None:
 class Checkpointer:
     """Saves and finds step checkpoints of one stage run under `{stage_uri}/checkpoints`."""
 
-    def __init__(self, strategy: Strategy, stage_uri: str, keep_last: int, staging: Path):
+    def __init__(self, strategy: Strategy, stage_uri: str, keep_last: int, staging: Path, role: str | None = None):
         self.strategy, self.keep_last = strategy, keep_last
-        self.root = storage.join(stage_uri, "checkpoints")
+        # Stages with several trained models (RL's actor and critic) keep one folder per role.
+        self.root = storage.join(stage_uri, "checkpoints", *([role] if role else []))
         # Local storage: DeepSpeed writes in place. Remote: it writes to a staging folder that is
         # uploaded. Either way ranks of one node share the folder.
-        self.local_root = storage.local_path(self.root) if storage.is_local(self.root) else staging / "checkpoints"
+        self.local_root = storage.local_path(self.root) if storage.is_local(self.root) else staging / "checkpoints" / (role or "")
 
     def save(self, step: int, client_state: dict[str, Any]) -> None:
         name = tag(step)
@@ -97,18 +98,25 @@ class Checkpointer:
         return sorted(int(n[len(PREFIX):]) for n in names
                       if manifest.read_manifest(storage.join(self.root, n), manifest.CHECKPOINT_MANIFEST) is not None)
 
-    def latest(self) -> int | None:
-        """Newest verified step, decided on rank 0 and shared so all ranks load the same one.
-        Checked newest first, stopping at the first that verifies: older ones are not hashed."""
+    def latest(self, among: set[int] | None = None) -> int | None:
+        """Newest verified step (of `among`, when given), decided on rank 0 and shared so all ranks
+        load the same one. Checked newest first, stopping at the first that verifies: older ones
+        are not hashed."""
         step = None
         if self.strategy.is_main:
             names = sorted((n for n in storage.list_dirs(self.root) if n.startswith(PREFIX)), reverse=True)
             for name in names:
+                if among is not None and int(name[len(PREFIX):]) not in among:
+                    continue
                 if manifest.verify(storage.join(self.root, name), manifest.CHECKPOINT_MANIFEST):
                     step = int(name[len(PREFIX):])
                     break
                 log.warning("skipping checkpoint %s: no verified manifest (truncated or corrupt)", name)
         return self.strategy.broadcast_object(step)
+
+    def published_steps(self) -> list[int]:
+        """Steps that have a checkpoint manifest (not verified)."""
+        return self._published_steps()
 
     def load(self, step: int) -> dict[str, Any]:
         name = tag(step)

@@ -53,8 +53,11 @@ class HFGenerator:
         self.eos, self.pad, self.batch_size = eos_token_id, pad_token_id, batch_size
 
     def load_weights(self, state: dict[str, torch.Tensor]) -> None:
-        missing, unexpected = self.model.load_state_dict(state, strict=False)
-        if unexpected or [m for m in missing if not m.endswith("rotary_emb.inv_freq")]:
+        # Every distinct tensor must come: named_parameters() lists a tied weight (lm_head = embeddings) once.
+        required = {name for name, _ in self.model.named_parameters()}
+        missing = sorted(required - set(state))
+        unexpected = self.model.load_state_dict(state, strict=False).unexpected_keys
+        if missing or unexpected:
             raise RuntimeError(f"weights do not fit the generator: missing {missing[:5]}, unexpected {unexpected[:5]}")
 
     @torch.no_grad()

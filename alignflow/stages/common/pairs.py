@@ -89,18 +89,19 @@ def pair_logps(model, pairs: list[Pair], pad_id: int, device) -> dict[str, torch
 def pair_rewards(model, head: torch.nn.Module, pairs: list[Pair], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """(chosen, rejected) rewards of B pairs, one shared-prompt row each, read at each response's EOS."""
     batch = collate_pairs(pairs, pad_id).to(device)
-    scores = token_scores(model, head, batch)
+    scores = token_scores(model, head, batch.input_ids, batch.attention_mask, batch.position_ids)
     rows = torch.arange(len(pairs), device=scores.device)
     return scores[rows, batch.chosen_end], scores[rows, batch.rejected_end]
 
 
-def token_scores(model, head: torch.nn.Module, batch) -> torch.Tensor:
+def token_scores(model, head: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                 position_ids: torch.Tensor | None = None) -> torch.Tensor:
     """(B, T) output of the scalar head at every position. transformers' classifier returns only
     the score it pools at the last non-padding token, so the head's output is taken with a hook."""
     captured = []
     handle = head.register_forward_hook(lambda module, args, output: captured.append(output))
     try:
-        model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids, use_cache=False)
+        model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
     finally:
         handle.remove()
     return captured[0][..., 0].float()

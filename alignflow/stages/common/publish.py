@@ -43,23 +43,33 @@ def publish(
     Returns (the manifest on rank 0, None elsewhere) and the local folder holding a copy
     of every published file, the manifest included.
     """
-    local = storage.local_path(stage_uri) if storage.is_local(stage_uri) else staging / "publish"
+    local = publish_dir(stage_uri, staging)
     if strategy.is_main:
         # A stale MANIFEST.json left here by an earlier publish must not be uploaded with the files.
         (local / manifest.STAGE_MANIFEST).unlink(missing_ok=True)
     local.mkdir(parents=True, exist_ok=True)
     save_hf_model(strategy, tokenizer, local / "model")
-    result = None
-    if strategy.is_main:
-        for name, content in files.items():
-            (local / name).write_bytes(content.encode() if isinstance(content, str) else content)
-        if not storage.is_local(stage_uri):
-            storage.upload_dir(local, stage_uri)
-        result = manifest.write_manifest(stage_uri, exclude=("checkpoints/",), **meta)
-        if not storage.is_local(stage_uri):
-            (local / manifest.STAGE_MANIFEST).write_text(storage.read_text(storage.join(stage_uri, manifest.STAGE_MANIFEST)))
+    result = finish_publish(stage_uri, local, files, meta) if strategy.is_main else None
     strategy.barrier()
     return result, local
+
+
+def publish_dir(stage_uri: str, staging: Path) -> Path:
+    """The local folder a stage's published files are written in: the stage folder itself when
+    storage is local, else a staging copy that is uploaded."""
+    return storage.local_path(stage_uri) if storage.is_local(stage_uri) else staging / "publish"
+
+
+def finish_publish(stage_uri: str, local: Path, files: dict[str, str | bytes], meta: dict[str, Any]) -> manifest.Manifest:
+    """Write `files` next to the model, upload the local folder when storage is remote, manifest last."""
+    for name, content in files.items():
+        (local / name).write_bytes(content.encode() if isinstance(content, str) else content)
+    if not storage.is_local(stage_uri):
+        storage.upload_dir(local, stage_uri)
+    result = manifest.write_manifest(stage_uri, exclude=("checkpoints/",), **meta)
+    if not storage.is_local(stage_uri):
+        (local / manifest.STAGE_MANIFEST).write_text(storage.read_text(storage.join(stage_uri, manifest.STAGE_MANIFEST)))
+    return result
 
 
 def model_card(stage: str, base_model: str, data: dict[str, str], config_hash: str, cache_key: str, metrics: dict[str, float]) -> str:

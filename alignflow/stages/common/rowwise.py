@@ -22,23 +22,29 @@ Forward = Callable[[list[int]], dict[str, torch.Tensor]]  # row indices -> {name
 
 
 class RowBuffer:
-    """(n,) buffers, one per name, filled at given rows on each rank, then summed over ranks."""
+    """(n,) buffers (or (n, width) for per-token values), one per name, filled at given rows on
+    each rank, then summed over ranks. Narrower per-token values are zero-padded to `width`."""
 
-    def __init__(self, n: int):
-        self.n = n
+    def __init__(self, n: int, width: int | None = None):
+        self.n, self.width = n, width
         self.values: dict[str, torch.Tensor] = {}
 
     def put(self, rows: list[int], values: dict[str, torch.Tensor]) -> None:
         for name, v in values.items():
-            buf = self.values.setdefault(name, torch.zeros(self.n, dtype=torch.float32))
-            buf[torch.tensor(rows)] = v.detach().float().cpu()
+            shape = (self.n,) if self.width is None else (self.n, self.width)
+            buf = self.values.setdefault(name, torch.zeros(shape, dtype=torch.float32))
+            v = v.detach().float().cpu()
+            if self.width is None:
+                buf[torch.tensor(rows)] = v
+            else:
+                buf[torch.tensor(rows), : v.shape[1]] = v
 
     def gather(self, strategy: Strategy) -> dict[str, torch.Tensor]:
         return {name: strategy.all_reduce_tensor(buf.to(strategy.device)).cpu() for name, buf in sorted(self.values.items())}
 
 
 @torch.no_grad()
-def all_rows(strategy: Strategy, lengths: list[int], micro: int, forward: Forward) -> dict[str, torch.Tensor]:
+def all_rows(strategy: Strategy, lengths: list[int], micro: int, forward: Forward, width: int | None = None) -> dict[str, torch.Tensor]:
     """`forward` over every row (no gradient, eval mode), split across ranks; every rank gets the
     full (n,) results. Rows are length-sorted so micro-batches pad little. Every rank runs the
     same number of forwards (ZeRO-3 gathers parameters collectively): a rank out of rows repeats
@@ -48,7 +54,7 @@ def all_rows(strategy: Strategy, lengths: list[int], micro: int, forward: Forwar
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
     chunks = [order[k:k + micro] for k in range(0, len(order), micro)]
     rounds = -(-len(chunks) // strategy.world_size)
-    buffer = RowBuffer(len(lengths))
+    buffer = RowBuffer(len(lengths), width)
     strategy.engine.eval()
     for r in range(rounds):
         j = r * strategy.world_size + strategy.rank

@@ -9,7 +9,8 @@ functions are the stage's own; cadence of eval, checkpoints and logs is handled 
 from __future__ import annotations
 
 import os
-from typing import Any, Callable
+from pathlib import Path
+from typing import Any, Callable, Protocol
 
 from alignflow.config import ConfigError, PipelineConfig, Stage, dump_config
 from alignflow.infra import manifest, storage
@@ -39,6 +40,40 @@ def total_steps(num_train: int, section, unit: str = "rows") -> int:
     return min(steps, section.batch.max_steps) if section.batch.max_steps else steps
 
 
+class Trainer(Protocol):
+    """What TrainingRun needs from whatever trains: checkpoints, the published model, an end."""
+
+    is_main: bool
+
+    def latest_checkpoint(self) -> int | None: ...
+    def load_checkpoint(self, step: int) -> dict[str, Any]: ...
+    def save_checkpoint(self, step: int, state: dict[str, Any]) -> None: ...
+    def publish(self, tokenizer, stage_uri: str, staging: Path, files: dict[str, str | bytes], meta: dict[str, Any]) -> Path: ...
+    def close(self) -> None: ...
+
+
+class LocalTrainer:
+    """A stage trained in this process (and its torchrun peers): one Strategy, one Checkpointer."""
+
+    def __init__(self, strategy: Strategy, checkpoints: Checkpointer):
+        self.strategy, self.checkpoints, self.is_main = strategy, checkpoints, strategy.is_main
+
+    def latest_checkpoint(self) -> int | None:
+        return self.checkpoints.latest()
+
+    def load_checkpoint(self, step: int) -> dict[str, Any]:
+        return self.checkpoints.load(step)
+
+    def save_checkpoint(self, step: int, state: dict[str, Any]) -> None:
+        self.checkpoints.save(step, state)
+
+    def publish(self, tokenizer, stage_uri: str, staging: Path, files: dict[str, str | bytes], meta: dict[str, Any]) -> Path:
+        return publish(self.strategy, tokenizer, stage_uri, staging, files, meta)[1]
+
+    def close(self) -> None:
+        self.strategy.close()
+
+
 class TrainingRun:
     """One attempt at one stage: where it publishes, what it starts from, its metrics and checkpoints."""
 
@@ -54,6 +89,7 @@ class TrainingRun:
         self.staging = staging_dir(self.key)
         self.timings: dict[str, float] = {}
         self.start_step, self.total_steps = 0, 0
+        self.resumed_state: dict[str, Any] = {}  # the client state of the checkpoint a run resumed from
 
     def cached_result(self) -> dict[str, Any]:
         print(f"{self.stage.value}: already complete at {self.out} (cache key {self.key})", flush=True)
@@ -78,19 +114,24 @@ class TrainingRun:
             return fetch_published_model(upstream, self.input_digests[BASE_MODEL_INPUT])
         if given:
             return resolve_model_path(given)
+        pipeline = {Stage.RM: "full", Stage.RL: "grpo"}.get(self.stage, self.stage.value)
         raise ConfigError(
-            f"{name}: no SFT model given to start from: run it in a pipeline after sft (e.g. pipeline: "
-            f"{'full' if self.stage == Stage.RM else self.stage.value}), pass --input sft=<published sft folder>, "
-            f"or set {name}.model.name_or_path"
+            f"{name}: no SFT model given to start from: run it in a pipeline after sft (e.g. pipeline: {pipeline}), "
+            f"pass --input sft=<published sft folder>, or set {name}.model.name_or_path"
         )
 
     def start(self, strategy: Strategy, total_steps: int, headline: str, evaluate: Callable[[], dict[str, float]]) -> int:
-        """Checkpoints, resume, metrics log and MLflow; evaluates the starting model on a fresh run."""
-        self.strategy, self.total_steps = strategy, total_steps
-        self.checkpoints = Checkpointer(strategy, self.out, self.section.checkpoint.keep_last, self.staging)
+        """Checkpoints, resume, metrics log and MLflow for a stage trained in this process."""
+        trainer = LocalTrainer(strategy, Checkpointer(strategy, self.out, self.section.checkpoint.keep_last, self.staging))
+        return self.start_with(trainer, total_steps, headline, evaluate)
+
+    def start_with(self, trainer: "Trainer", total_steps: int, headline: str, evaluate: Callable[[], dict[str, float]]) -> int:
+        """The same for any trainer (RL's is a set of Ray worker groups); evaluates the starting
+        model on a fresh run."""
+        self.trainer, self.total_steps = trainer, total_steps
         self.start_step, history = self._resume()
-        self.log = MetricsLog(strategy.is_main, total_steps, self.section.logging.progress, headline, history)
-        self.tracking = StageTracking(strategy.is_main)
+        self.log = MetricsLog(trainer.is_main, total_steps, self.section.logging.progress, headline, history)
+        self.tracking = StageTracking(trainer.is_main)
         self.log.add_sink(self.tracking.log_metrics)
         for record in history:  # a resumed attempt runs under a new MLflow run: give it the whole curve
             self.tracking.log_metrics(int(record["step"]), {k: v for k, v in record.items() if k != "step"})
@@ -100,17 +141,20 @@ class TrainingRun:
         return self.start_step
 
     def _resume(self) -> tuple[int, list[dict]]:
-        step = self.checkpoints.latest()
+        step = self.trainer.latest_checkpoint()
         if step is None:
             return 0, []
-        state = self.checkpoints.load(step)
-        if self.strategy.is_main:
+        state = self.resumed_state = self.trainer.load_checkpoint(step)
+        if self.trainer.is_main:
             print(f"{self.stage.value}: resumed from checkpoint at step {step}", flush=True)
         return step, state.get("history", [])
 
     # ------------------------------------------------------------------ train
 
-    def train(self, train_step: Callable[[int], dict[str, float]], evaluate: Callable[[], dict[str, float]]) -> None:
+    def train(self, train_step: Callable[[int], dict[str, float]], evaluate: Callable[[], dict[str, float]],
+              state: Callable[[], dict[str, Any]] = dict) -> None:
+        """Steps from the resume point to the end; `state()` is saved with each checkpoint next to
+        the metric history (and comes back from `start`'s resume as the checkpoint's client state)."""
         logging, every = self.section.logging, self.section.checkpoint.every_steps
         fail_at = int(os.environ.get(FAIL_AT_STEP_ENV, 0))
         last = self.total_steps
@@ -121,7 +165,7 @@ class TrainingRun:
                 metrics.update(evaluate())
             self.log.log(number, metrics, echo=number % logging.log_every == 0 or number == last)
             if number % every == 0 and number < last:
-                self.checkpoints.save(number, {"history": self.log.history})
+                self.trainer.save_checkpoint(number, {**state(), "history": self.log.history})
             if number == fail_at:
                 raise InjectedFailure(f"{FAIL_AT_STEP_ENV}={fail_at}: failing after step {number}")
         self.log.close()
@@ -132,14 +176,14 @@ class TrainingRun:
     def publish(self, tokenizer, curves: list[str], data_stats: dict[str, Any], final: dict[str, float] | None = None) -> dict[str, Any]:
         """HF model + config + metrics + curves + model card, manifest last; artifacts to MLflow.
         `final`: figures computed after training (they join the summary and MLflow)."""
-        strategy, name = self.strategy, self.stage.value
+        trainer, name = self.trainer, self.stage.value
         if final:
             self.tracking.log_metrics(self.total_steps, final)
         summary = {**self.log.summary(), **(final or {}), **self.timings}
         first = self.log.history[0] if self.log.history and self.log.history[0]["step"] == 0 else {}
         summary.update({f"{k}_initial": v for k, v in first.items() if k.startswith("eval/")})
         files: dict[str, str | bytes] = {}
-        if strategy.is_main:
+        if trainer.is_main:
             sources = {src: self.fingerprints[n] for n, src in data_sources(self.section).items()}
             sources.update({uri: self.input_digests[n] for n, uri in self.inputs.items()})
             plot = plot_curves(self.log.history, curves, self.staging / "curves.png")
@@ -152,10 +196,10 @@ class TrainingRun:
         inputs = {**self.fingerprints, **{f"upstream:{n}": {"uri": u, "digest": self.input_digests[n]} for n, u in self.inputs.items()}}
         meta = {"stage": name, "cache_key": self.key, "config_hash": self.section.config_hash(), "inputs": inputs,
                 "metrics": summary, "mlflow_run_id": self.tracking.run_id}
-        _, local = publish(strategy, tokenizer, self.out, self.staging, files, meta)
+        local = trainer.publish(tokenizer, self.out, self.staging, files, meta)
         self.tracking.log_artifacts([local / f for f in (*files, manifest.STAGE_MANIFEST)])
-        if strategy.is_main:
+        if trainer.is_main:
             print(f"{name}: published model to {storage.join(self.out, 'model')}\n{name}: metrics in {storage.join(self.out, 'metrics.json')}", flush=True)
-        strategy.close()
+        trainer.close()
         return {"stage": name, "uri": self.out, "cache_key": self.key, "cached": False, "metrics": summary,
                 "resumed_from_step": self.start_step or None}

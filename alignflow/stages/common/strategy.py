@@ -45,6 +45,15 @@ def lr_lambda(optim: OptimConfig, total_steps: int):
     return factor
 
 
+THREADS_ENV = "ALIGNFLOW_THREADS_PER_WORKER"  # set by worker groups: the CPUs Ray gave this worker
+
+
+def threads_per_worker(world_size: int) -> int:
+    if os.environ.get(THREADS_ENV):
+        return max(1, int(float(os.environ[THREADS_ENV])))
+    return max(1, int(os.environ.get("ALIGNFLOW_NUM_THREADS", os.cpu_count() or 1)) // world_size)
+
+
 class Strategy:
     """Holds the process group facts and, after `prepare`, the DeepSpeed engine."""
 
@@ -67,7 +76,7 @@ class Strategy:
             torch.cuda.set_device(self.device)
         else:
             # Several workers on a few cores oversubscribe badly without this.
-            torch.set_num_threads(max(1, int(os.environ.get("ALIGNFLOW_NUM_THREADS", os.cpu_count() or 1)) // self.world_size))
+            torch.set_num_threads(threads_per_worker(self.world_size))
 
     @property
     def is_main(self) -> bool:

@@ -19,9 +19,12 @@ from typing import Any, Callable
 
 import torch
 
+from alignflow.stages.common.data import DataError
 
-class RewardError(RuntimeError):
-    """A reward function that raised, returned the wrong number of values, or a non-finite value."""
+
+class RewardError(DataError):
+    """A reward function that raised, returned the wrong number of values, or a non-finite value:
+    bad input (the stage exits with code 2 and is not retried), not a crash."""
 
 
 def load_function(spec: str) -> Callable[..., Any]:

@@ -1,0 +1,85 @@
+"""A step's rollouts as tensors, and the per-token quantities the RL roles compute from them.
+
+Vocabulary: B responses; each row is its prompt followed by its response, right-padded to
+T tokens. Response token j of a row sits at index prompt_len + j and is predicted by the
+output at `positions[:, j]` = prompt_len - 1 + j. Every per-token tensor of the RL stage
+(log-probs, values, KL, advantages) is (B, R) over response tokens, with `mask` 1 on real
+response tokens: the one response-mask name used everywhere in `stages/rl/`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from alignflow.stages.common.generation import Rollout
+from alignflow.stages.rl.losses import entropy_from_logits
+
+
+@dataclass
+class Experience:
+    input_ids: torch.Tensor  # (B, T) prompt + response, right-padded
+    attention_mask: torch.Tensor  # (B, T)
+    positions: torch.Tensor  # (B, R) index whose output predicts response token j
+    targets: torch.Tensor  # (B, R) response token ids (pad id where mask is 0)
+    mask: torch.Tensor  # (B, R) float, 1 on response tokens
+    sampled_logp: torch.Tensor  # (B, R) log-probs the generator reported for the tokens it sampled
+
+    @staticmethod
+    def from_rollouts(rollouts: list[Rollout], pad_id: int) -> "Experience":
+        b = len(rollouts)
+        width = max(len(r.prompt_ids) + len(r.response_ids) for r in rollouts)
+        resp = max(1, max(len(r.response_ids) for r in rollouts))
+        ids = torch.full((b, width), pad_id, dtype=torch.long)
+        attn = torch.zeros((b, width), dtype=torch.long)
+        positions = torch.zeros((b, resp), dtype=torch.long)
+        targets = torch.full((b, resp), pad_id, dtype=torch.long)
+        mask = torch.zeros((b, resp))
+        sampled = torch.zeros((b, resp))
+        for i, r in enumerate(rollouts):
+            p, n = len(r.prompt_ids), len(r.response_ids)
+            ids[i, :p + n] = torch.tensor(r.prompt_ids + r.response_ids)
+            attn[i, :p + n] = 1
+            positions[i] = (p - 1 + torch.arange(resp)).clamp(max=width - 1)
+            targets[i, :n] = torch.tensor(r.response_ids, dtype=torch.long)
+            mask[i, :n] = 1.0
+            sampled[i, :n] = torch.tensor(r.logprobs)
+        return Experience(ids, attn, positions, targets, mask, sampled)
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def lengths(self) -> list[int]:
+        """Tokens of each row (prompt + response): what a micro-batch pads to."""
+        return self.attention_mask.sum(-1).tolist()
+
+    def rows(self, index: list[int]) -> "Experience":
+        """The given rows, cut to their own widths (a micro-batch)."""
+        idx = torch.tensor(index)
+        width = int(self.attention_mask[idx].sum(-1).max())
+        resp = max(1, int(self.mask[idx].sum(-1).max()))
+        return Experience(self.input_ids[idx, :width], self.attention_mask[idx, :width],
+                          self.positions[idx, :resp].clamp(max=width - 1), self.targets[idx, :resp], self.mask[idx, :resp],
+                          self.sampled_logp[idx, :resp])
+
+    def to(self, device) -> "Experience":
+        return Experience(*(getattr(self, f).to(device) for f in self.__dataclass_fields__))
+
+
+def response_logprobs(model, exp: Experience, temperature: float, with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(B, R) log-probs of the response tokens under `model` at the sampling temperature, and
+    optionally their entropies. Both garbage where mask is 0."""
+    logits = model(input_ids=exp.input_ids, attention_mask=exp.attention_mask, use_cache=False).logits
+    picked = logits.gather(1, exp.positions.unsqueeze(-1).expand(-1, -1, logits.size(-1))).float() / temperature
+    logp = -torch.nn.functional.cross_entropy(picked.reshape(-1, picked.size(-1)), exp.targets.reshape(-1),
+                                              reduction="none").view_as(exp.targets)
+    return logp, entropy_from_logits(picked) if with_entropy else None
+
+
+def response_values(model, head: torch.nn.Module, exp: Experience) -> torch.Tensor:
+    """(B, R) critic values at the positions that predict each response token (the state before it)."""
+    from alignflow.stages.common.pairs import token_scores
+
+    return token_scores(model, head, exp.input_ids, exp.attention_mask).gather(1, exp.positions)

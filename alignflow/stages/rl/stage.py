@@ -1,0 +1,308 @@
+"""RL stage: PPO, GRPO, Dr. GRPO, REINFORCE++(-baseline), RLOO on Ray worker groups.
+
+Run by hand:  alignflow stage rl --config configs/tiny.yaml --set pipeline=grpo
+              (finds the SFT model published by `alignflow stage sft`; or pass --input sft=URI,
+              and --input rm=URI for a reward model)
+
+This process is the driver. It starts the roles as Ray worker groups (`workers.py`: actor,
+rollout, and as the config needs them reference, critic, reward model; placed by
+`stages.common.workers.plan_slots`) and runs the loop, one RL step at a time:
+generate (token ids) -> score (reward function or reward model, overlong penalty, dynamic
+sampling) -> old / reference log-probs and values -> KL and advantages (pure functions) ->
+train actor (and critic) -> push the actor's weights to the rollout workers -> log ->
+checkpoint. Checkpoints hold the actor's and critic's DeepSpeed states and RNGs and, in the
+actor's client state, the driver's (metric history, adaptive KL coefficient); prompts and
+sampling seeds are functions of (seed, step), so a resumed run continues exactly.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from alignflow.config import ConfigError, PipelineConfig, RLConfig, Stage
+from alignflow.infra import manifest, storage
+from alignflow.stages.common.data import DataError, global_batch
+from alignflow.stages.common.generation import Rollout, SamplingParams
+from alignflow.stages.common.models import fetch_published_model, load_tokenizer
+from alignflow.stages.common.publish import finish_publish, publish_dir
+from alignflow.stages.common.run import TrainingRun
+from alignflow.stages.common.workers import WorkerGroup, connect_ray, plan_slots
+from alignflow.stages.rl.advantages import advantages
+from alignflow.stages.rl.data import PromptRow, columns_of, load_prompts
+from alignflow.stages.rl.experience import Experience
+from alignflow.stages.rl.kl import adaptive_kl_coef, kl_per_token
+from alignflow.stages.rl.rewards import FunctionReward, overlong_penalty
+from alignflow.stages.rl.workers import ActorWorker, CriticWorker, ReferenceWorker, RewardModelWorker, RolloutWorker
+
+CURVES = ["reward/mean", "eval/reward", "kl", "policy_loss", "entropy", "response_length"]
+
+
+def main(cfg: PipelineConfig, output_uri: str | None = None, inputs: dict[str, str] | None = None) -> dict[str, Any]:
+    # ------------------------------------------------------------------ setup
+    run = TrainingRun(cfg, Stage.RL, output_uri, inputs)
+    if run.done:
+        return run.cached_result()
+    rl = run.section
+    base = run.base_model()
+    reward_model = reward_model_path(run, rl)
+    tokenizer = load_tokenizer(base)
+    train, held, stats = load_prompts(rl.data, tokenizer, rl.batch.seed)  # bad data fails before any model work
+    scorer = Scorer(rl, tokenizer, FunctionReward(rl.reward.function) if rl.reward.function else None)
+    steps = rl_steps(len(train), rl)
+    started_ray = connect_ray()
+    roles = None
+    try:
+        roles = Roles(rl, base, reward_model, tokenizer.pad_token_id, steps, run.out, run.key)
+        scorer.roles = roles
+        loop = Loop(rl, train, held, tokenizer, roles, scorer)
+        run.start_with(RLTrainer(roles, run.key), steps, "gen_tokens_per_s", loop.evaluate)
+        loop.kl_coef = run.resumed_state.get("kl_coef", rl.kl.coef)
+
+        # -------------------------------------------------------------- train
+        run.train(loop.step, loop.evaluate, state=lambda: {"kl_coef": loop.kl_coef})
+
+        # -------------------------------------------------------------- publish
+        return run.publish(tokenizer, CURVES, stats)
+    finally:
+        if roles is not None:
+            roles.shutdown()
+        if started_ray:
+            import ray
+
+            ray.shutdown()
+
+
+def reward_model_path(run: TrainingRun, rl: RLConfig) -> str | None:
+    if not rl.reward.model:
+        return None
+    if "rm" not in run.inputs:
+        raise ConfigError("rl.reward.model: true scores with the reward model of the rm stage: run the `full` pipeline, "
+                          "or pass --input rm=<published rm folder>")
+    return fetch_published_model(run.inputs["rm"], run.input_digests["rm"])
+
+
+def rl_steps(num_prompts: int, rl: RLConfig) -> int:
+    per_epoch = num_prompts // rl.rollout.prompts_per_step
+    if per_epoch == 0:
+        raise DataError(f"{num_prompts} training prompts are fewer than rollout.prompts_per_step={rl.rollout.prompts_per_step}")
+    steps = per_epoch * rl.batch.epochs
+    return min(steps, rl.batch.max_steps) if rl.batch.max_steps else steps
+
+
+def shards(n: int, k: int) -> list[list[int]]:
+    """0..n-1 in k contiguous, nearly equal parts (some may be empty)."""
+    bounds = np.linspace(0, n, k + 1).round().astype(int)
+    return [list(range(bounds[i], bounds[i + 1])) for i in range(k)]
+
+
+class Roles:
+    """The worker groups of one RL run, and the calls that span groups."""
+
+    def __init__(self, rl: RLConfig, base: str, reward_model: str | None, pad_id: int, steps: int, out: str, key: str):
+        est = rl.advantage.estimator
+        wanted = {"actor": rl.workers.actor, "rollout": 1}
+        if rl.kl.coef > 0 or rl.kl.target is not None:
+            wanted["reference"] = rl.workers.reference
+        if est.needs_critic:
+            wanted["critic"] = rl.workers.critic
+        if reward_model:
+            wanted["reward"] = rl.workers.reward
+        slots = plan_slots(wanted, rl.workers.cpus_per_worker, rl.workers.gpus_per_worker, rl.workers.colocate)
+        optimizer_steps = steps * rl.policy.epochs * (rl.rollout.prompts_per_step * rl.generation.n_samples_per_prompt // rl.batch.global_batch_size)
+        self.groups: dict[str, WorkerGroup] = {}
+        self.actor = self._start("actor", ActorWorker, slots, rl, base, optimizer_steps, out, key)
+        self.rollout = self._start("rollout", RolloutWorker, slots, rl, base)
+        self.reference = self._start("reference", ReferenceWorker, slots, rl, base) if "reference" in wanted else None
+        self.critic = (self._start("critic", CriticWorker, slots, rl, reward_model or base, pad_id, optimizer_steps, out, key)
+                       if "critic" in wanted else None)  # PPO's critic starts from the reward model when there is one
+        self.reward = (self._start("reward", RewardModelWorker, slots, reward_model, rl.reward.normalize, rl.generation.batch_size)
+                       if "reward" in wanted else None)
+
+    def _start(self, role: str, cls: type, slots, *setup_args) -> WorkerGroup:
+        group = self.groups[role] = WorkerGroup(role, cls, slots[role])
+        group.call("setup", *setup_args)
+        return group
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Rollout]:
+        parts = [p for p in shards(len(prompts), len(self.rollout.workers))]
+        out = self.rollout.call_each("generate", [([prompts[i] for i in part], params) for part in parts])
+        return [r for chunk in out for r in chunk]
+
+    def per_row(self, group: WorkerGroup, method: str, exp: Experience) -> torch.Tensor:
+        """(B, R) from a frozen role: rows sharded over its workers."""
+        parts = [p for p in shards(len(exp), len(group.workers)) if p]
+        results = group.call_each(method, [(exp.rows(part),) for part in parts])
+        out = torch.zeros_like(exp.mask)
+        for part, values in zip(parts, results):
+            out[part, : values.shape[1]] = values
+        return out * exp.mask
+
+    def score(self, sequences: list[list[int]]) -> torch.Tensor:
+        parts = shards(len(sequences), len(self.reward.workers))
+        return torch.cat(self.reward.call_each("score", [([sequences[i] for i in part],) for part in parts]))
+
+    def sync_weights(self) -> None:
+        """The actor's full weights to every rollout worker, through the object store."""
+        import ray
+
+        refs = [w.weights.remote() for w in self.actor.workers]  # a collective: every rank gathers
+        self.rollout.call("load_weights", refs[0])
+        ray.get(refs[1:])
+
+    def shutdown(self) -> None:
+        for group in self.groups.values():
+            group.kill()
+
+
+class Scorer:
+    """One reward per sampled response: the reward function or the reward model, plus the overlong penalty."""
+
+    def __init__(self, rl: RLConfig, tokenizer, function: FunctionReward | None):
+        self.rl, self.tokenizer, self.function, self.roles = rl, tokenizer, function, None
+
+    def __call__(self, rows: list[PromptRow], rollouts: list[Rollout]) -> torch.Tensor:
+        per_sample = [rows[i // (len(rollouts) // len(rows))] for i in range(len(rollouts))]
+        if self.function is not None:
+            completions = [self.tokenizer.decode(r.response_ids, skip_special_tokens=True) for r in rollouts]
+            scores = self.function([p.text for p in per_sample], completions, [r.prompt_ids for r in rollouts],
+                                   [r.response_ids for r in rollouts], columns_of(per_sample))
+        else:
+            scores = self.roles.score([r.prompt_ids + r.response_ids for r in rollouts])
+        reward = self.rl.reward
+        lengths = torch.tensor([len(r.response_ids) for r in rollouts])
+        return scores + overlong_penalty(lengths, self.rl.generation.max_new_tokens, reward.overlong_buffer, reward.overlong_penalty)
+
+
+class Loop:
+    """One RL step at a time (see the module docstring), and the held-out evaluation."""
+
+    def __init__(self, rl: RLConfig, train: list[PromptRow], held: list[PromptRow], tokenizer, roles: Roles, scorer: Scorer):
+        self.rl, self.train, self.held, self.tokenizer, self.roles, self.scorer = rl, train, held, tokenizer, roles, scorer
+        self.kl_coef = rl.kl.coef
+
+    def sample(self, step: int) -> tuple[list[PromptRow], list[Rollout], torch.Tensor, dict[str, float]]:
+        """Prompts, their n responses each, and the scores; with dynamic sampling, groups whose rewards
+        are all equal are replaced by new prompts, up to max_sampling_rounds rounds."""
+        rl, n, p = self.rl, self.rl.generation.n_samples_per_prompt, self.rl.rollout.prompts_per_step
+        kept, dropped, first_kept, rounds = [], [], None, 0
+        for round_ in range(rl.rollout.max_sampling_rounds if rl.rollout.dynamic_sampling else 1):
+            rounds += 1
+            picks = (global_batch(len(self.train), p, step, rl.batch.seed) if round_ == 0 else
+                     np.random.default_rng([rl.batch.seed, step, round_]).choice(len(self.train), p, replace=False).tolist())
+            rows = [self.train[i] for i in picks]
+            params = SamplingParams(rl.generation.max_new_tokens, rl.generation.temperature, rl.generation.top_p,
+                                    rl.generation.top_k, n, seed=rl.batch.seed * 1_000_003 + step * 101 + round_)
+            rollouts = self.roles.generate([r.ids for r in rows], params)
+            scores = self.scorer(rows, rollouts)
+            for g, row in enumerate(rows):
+                group = (row, rollouts[g * n:(g + 1) * n], scores[g * n:(g + 1) * n])
+                informative = not rl.rollout.dynamic_sampling or bool(group[2].std() > 0)
+                (kept if informative else dropped).append(group)
+            first_kept = first_kept if first_kept is not None else len(kept) / p
+            if len(kept) >= p:
+                break
+        groups = (kept + dropped)[:p]  # after the last round, uninformative groups fill the batch
+        info = {"sampling_rounds": rounds, **({"dynamic_sampling/kept_fraction": first_kept} if rl.rollout.dynamic_sampling else {})}
+        return ([g[0] for g in groups], [r for g in groups for r in g[1]], torch.cat([g[2] for g in groups]), info)
+
+    def step(self, step: int) -> dict[str, float]:
+        rl, roles, clock = self.rl, self.roles, Clock()
+        rows, rollouts, scores, info = self.sample(step)
+        clock.lap("generate_and_score")
+        exp = Experience.from_rollouts(rollouts, self.tokenizer.pad_token_id)
+        old_logp = roles.actor.call("logprobs", exp)[0]
+        ref_logp = roles.per_row(roles.reference, "logprobs", exp) if roles.reference else None
+        values = roles.critic.call("values", exp)[0] if roles.critic else None
+        clock.lap("inference")
+        kl = kl_per_token(old_logp, ref_logp, rl.kl.estimator) * exp.mask if ref_logp is not None else None
+        penalty = self.kl_coef * kl if kl is not None and rl.kl.placement == "reward" else None
+        adv, returns = advantages(rl.advantage.estimator, scores, exp.mask, n=rl.generation.n_samples_per_prompt,
+                                  gamma=rl.advantage.gamma, lam=rl.advantage.lam, kl=penalty, values=values)
+        metrics = roles.actor.call("train", exp, old_logp, adv, ref_logp, self.kl_coef, step)[0]
+        if roles.critic:
+            metrics.update(roles.critic.call("train", exp, values, returns, step)[0])
+        clock.lap("train")
+        roles.sync_weights()
+        clock.lap("sync")
+        kl_mean = float((kl.sum() / exp.mask.sum()) if kl is not None else 0.0)
+        # Generator vs trainer log-probs of the same tokens: ~0 with the HF backend (same kernels).
+        metrics["logprob_mismatch"] = float(((exp.sampled_logp - old_logp).abs() * exp.mask).sum() / exp.mask.sum())
+        metrics.update(self.rollout_metrics(scores, rollouts, exp, clock), kl=kl_mean, kl_coef=self.kl_coef, **info)
+        if rl.kl.target is not None and kl is not None:  # Ziegler et al. 2019: adapt β toward the target KL per sequence
+            self.kl_coef = adaptive_kl_coef(self.kl_coef, float(kl.sum(-1).mean()), rl.kl.target, rl.kl.horizon, len(exp))
+        return metrics
+
+    def rollout_metrics(self, scores: torch.Tensor, rollouts: list[Rollout], exp: Experience, clock: "Clock") -> dict[str, float]:
+        generated = float(exp.mask.sum())
+        return {"reward/mean": float(scores.mean()), "reward/std": float(scores.std()) if len(scores) > 1 else 0.0,
+                "response_length": generated / len(rollouts),
+                "finished_fraction": sum(r.finish_reason == "stop" for r in rollouts) / len(rollouts),
+                "gen_tokens_per_s": generated / max(clock.times["generate_and_score"], 1e-9),
+                "train_tokens_per_s": float(exp.attention_mask.sum()) * self.rl.policy.epochs / max(clock.times["train"], 1e-9),
+                **{f"time/{k}_s": v for k, v in clock.times.items()}}
+
+    def evaluate(self) -> dict[str, float]:
+        """Greedy responses to the held-out prompts, scored by the reward source (for an exact-match
+        reward function, the mean is the accuracy)."""
+        if not self.held:
+            return {}
+        rollouts = self.roles.generate([r.ids for r in self.held], SamplingParams(self.rl.generation.max_new_tokens, temperature=0))
+        scores = self.scorer(self.held, rollouts)
+        return {"eval/reward": float(scores.mean()),
+                "eval/response_length": sum(len(r.response_ids) for r in rollouts) / len(rollouts)}
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.times: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.times[name] = now - self._last
+        self._last = now
+
+
+class RLTrainer:
+    """The Trainer of TrainingRun for RL: checkpoints and the published model live in the worker groups."""
+
+    is_main = True
+
+    def __init__(self, roles: Roles, key: str):
+        self.roles, self.key = roles, key
+        self.trained = [g for g in (roles.actor, roles.critic) if g is not None]
+
+    def latest_checkpoint(self) -> int | None:
+        """The newest step every trained role has a verified checkpoint of."""
+        common = set.intersection(*(set(g.call("published_steps")[0]) for g in self.trained))
+        for step in sorted(common, reverse=True):
+            if all(g.call("latest", {step})[0] == step for g in self.trained):
+                return step
+        return None
+
+    def load_checkpoint(self, step: int) -> dict[str, Any]:
+        state = self.roles.actor.call("load_checkpoint", step)[0]
+        if self.roles.critic:
+            self.roles.critic.call("load_checkpoint", step)
+        self.roles.sync_weights()
+        return state
+
+    def save_checkpoint(self, step: int, state: dict[str, Any]) -> None:
+        self.roles.actor.call("save_checkpoint", step, state)
+        if self.roles.critic:
+            self.roles.critic.call("save_checkpoint", step, {})
+
+    def publish(self, tokenizer, stage_uri: str, staging, files: dict[str, str | bytes], meta: dict[str, Any]):
+        local = publish_dir(stage_uri, staging)
+        (local / manifest.STAGE_MANIFEST).unlink(missing_ok=True)
+        local.mkdir(parents=True, exist_ok=True)
+        self.roles.actor.call("save_model", storage.join(stage_uri, "model"), self.key)
+        finish_publish(stage_uri, local, files, meta)
+        return local
+
+    def close(self) -> None:
+        pass

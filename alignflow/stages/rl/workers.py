@@ -1,0 +1,212 @@
+"""The RL roles as Ray actors: actor (policy, trained), critic (trained, PPO only), reference
+(frozen), reward model (frozen) and rollout (the generator). Thin shells: the math is in
+`losses.py` / `advantages.py`, the training seam in `stages/common/strategy.py`.
+
+Trained roles hold a DeepSpeed engine across their workers and see the whole step's
+experience; each worker takes its micro-batches of each optimizer step (as in the other
+stages), so a step's update does not depend on the number of workers. Frozen roles get
+shards of rows from the driver.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from alignflow.config import RLConfig
+from alignflow.infra import storage
+from alignflow.stages.common.checkpoint import Checkpointer, seed_everything, staging_dir
+from alignflow.stages.common.data import rank_micro_batches
+from alignflow.stages.common.generation import HFGenerator, Rollout, SamplingParams
+from alignflow.stages.common.models import load_causal_lm, load_reward_model, load_tokenizer
+from alignflow.stages.common.rowwise import all_rows
+from alignflow.stages.common.workers import Worker
+from alignflow.stages.rl.experience import Experience, response_logprobs, response_values
+from alignflow.stages.rl.kl import kl_per_token
+from alignflow.stages.rl.losses import aggregate, policy_loss, value_loss
+
+
+def optimizer_batches(n: int, global_batch: int, seed: int, step: int, epoch: int) -> list[list[int]]:
+    """The rows of each optimizer step over one pass of a rollout batch: a function of (seed, step, epoch)."""
+    order = np.random.default_rng([seed, step, epoch]).permutation(n).tolist()
+    return [order[k:k + global_batch] for k in range(0, n - global_batch + 1, global_batch)]
+
+
+class TrainedRole(Worker):
+    """Shared by actor and critic: engine, checkpoints, per-row inference across the group."""
+
+    role = ""
+
+    def _init(self, rl: RLConfig, load_model, optim, total_steps: int, stage_uri: str, key: str) -> torch.nn.Module:
+        from alignflow.stages.common.strategy import Strategy
+
+        self.rl = rl
+        self.strategy = Strategy(rl.deepspeed, rl.batch, optim)
+        with self.strategy.model_init():  # under ZeRO-3 the weights are partitioned as they load
+            model = load_model()
+        self.strategy.prepare(model, total_steps)
+        self.checkpoints = Checkpointer(self.strategy, stage_uri, rl.checkpoint.keep_last, staging_dir(key), role=self.role)
+        return model
+
+    def _per_row(self, exp: Experience, name: str, forward) -> torch.Tensor:
+        """(B, R) values of every row, computed in micro-batches split over the group."""
+        width = exp.mask.shape[1]
+        values = all_rows(self.strategy, exp.lengths, self.rl.batch.micro_batch_size,
+                          lambda rows: {name: forward(exp.rows(rows).to(self.strategy.device))}, width=width)
+        return values[name] * exp.mask
+
+    def _train(self, exp: Experience, step: int, micro_loss) -> dict[str, float]:
+        """One pass per policy epoch over the rollout batch, one optimizer step per global batch.
+        `micro_loss(sub, rows, num_tokens, num_sequences)` returns this micro-batch's share of the
+        step loss and a dict of sums for the metrics."""
+        rl, s = self.rl, self.strategy
+        sums: dict[str, float] = {}
+        norms = []
+        for epoch in range(rl.policy.epochs):
+            for rows in optimizer_batches(len(exp), rl.batch.global_batch_size, rl.batch.seed, step, epoch):
+                num_tokens = float(exp.mask[rows].sum().clamp(min=1))
+                for micro in rank_micro_batches(rows, exp.lengths, rl.batch.micro_batch_size, s.world_size, s.rank):
+                    loss, parts = micro_loss(exp.rows(micro).to(s.device), micro, num_tokens, float(len(rows)))
+                    s.backward(loss)
+                    s.step()
+                    for k, v in parts.items():
+                        sums[k] = sums.get(k, 0.0) + float(v)
+                norms.append(s.grad_norm())
+        keys = sorted(sums)
+        totals = dict(zip(keys, s.all_reduce_sum([sums[k] for k in keys])))
+        return {**totals, "grad_norm": float(np.mean(norms)), "lr": s.lr(), "optimizer_steps": len(norms)}
+
+    def published_steps(self) -> list[int]:
+        return self.checkpoints.published_steps()
+
+    def latest(self, among: set[int] | None = None) -> int | None:
+        return self.checkpoints.latest(among)
+
+    def save_checkpoint(self, step: int, state: dict[str, Any]) -> None:
+        self.checkpoints.save(step, state)
+
+    def load_checkpoint(self, step: int) -> dict[str, Any]:
+        return self.checkpoints.load(step)
+
+
+class ActorWorker(TrainedRole):
+    role = "actor"
+
+    def setup(self, rl: RLConfig, model_path: str, total_steps: int, stage_uri: str, key: str) -> None:
+        seed_everything(rl.batch.seed)
+        self.tokenizer = load_tokenizer(model_path)
+        self._init(rl, lambda: load_causal_lm(model_path, rl.model), rl.optim, total_steps, stage_uri, key)
+        seed_everything(rl.batch.seed + self.strategy.rank)
+
+    def logprobs(self, exp: Experience) -> torch.Tensor:
+        temperature = self.rl.generation.temperature
+        return self._per_row(exp, "logp", lambda sub: response_logprobs(self.strategy.engine, sub, temperature)[0])
+
+    def train(self, exp: Experience, old_logp: torch.Tensor, advantages: torch.Tensor, ref_logp: torch.Tensor | None,
+              kl_coef: float, step: int) -> dict[str, float]:
+        rl = self.rl
+        kl_in_loss = ref_logp is not None and rl.kl.placement == "loss" and kl_coef > 0
+
+        def micro_loss(sub: Experience, rows: list[int], num_tokens: float, num_sequences: float):
+            r = sub.mask.shape[1]
+            logp, entropy = response_logprobs(self.strategy.engine, sub, rl.generation.temperature, with_entropy=True)
+            loss, m = policy_loss(logp, old_logp[rows, :r], advantages[rows, :r], sub.mask, rl.policy.clip_low, rl.policy.clip_high,
+                                  rl.policy.dual_clip, rl.policy.aggregation, num_tokens, num_sequences)
+            tokens = sub.mask.sum()
+            parts = {"policy_loss": loss.detach(), "clip_tokens": m["clip_frac"] * tokens, "tokens": tokens,
+                     "entropy_sum": (entropy.detach() * sub.mask).sum(), "approx_kl_sum": m["approx_kl"] * tokens}
+            if rl.policy.entropy_coef:
+                loss = loss - rl.policy.entropy_coef * aggregate(entropy, sub.mask, rl.policy.aggregation, num_tokens, num_sequences)
+            if kl_in_loss:
+                kl = kl_per_token(logp, ref_logp[rows, :r].to(logp.device), rl.kl.estimator)
+                kl_loss = kl_coef * aggregate(kl, sub.mask, rl.policy.aggregation, num_tokens, num_sequences)
+                loss = loss + kl_loss
+                parts["kl_loss"] = kl_loss.detach()
+            return loss, parts
+
+        sums = self._train(exp, step, micro_loss)
+        steps = max(1, sums["optimizer_steps"])
+        return {"policy_loss": sums["policy_loss"] / steps, "clip_frac": sums["clip_tokens"] / max(sums["tokens"], 1),
+                "entropy": sums["entropy_sum"] / max(sums["tokens"], 1), "approx_kl": sums["approx_kl_sum"] / max(sums["tokens"], 1),
+                **({"kl_loss": sums["kl_loss"] / steps} if "kl_loss" in sums else {}),
+                "grad_norm": sums["grad_norm"], "lr": sums["lr"]}
+
+    def weights(self) -> dict[str, torch.Tensor] | None:
+        """Full weights on rank 0 (gathered under ZeRO-3; every rank must call)."""
+        return self.strategy.full_state_dict()
+
+    def save_model(self, model_uri: str, key: str) -> None:
+        """The HF folder of the policy: written in place when storage is local, else staged and uploaded."""
+        from alignflow.stages.common.publish import save_hf_model
+
+        local = storage.local_path(model_uri) if storage.is_local(model_uri) else staging_dir(key) / "actor-model"
+        save_hf_model(self.strategy, self.tokenizer, local)
+        if self.strategy.is_main and not storage.is_local(model_uri):
+            storage.upload_dir(local, model_uri)
+        self.strategy.barrier()
+
+
+class CriticWorker(TrainedRole):
+    role = "critic"
+
+    def setup(self, rl: RLConfig, model_path: str, pad_id: int, total_steps: int, stage_uri: str, key: str) -> None:
+        seed_everything(rl.batch.seed + 1)  # a new value head starts the same on every rank
+        model = self._init(rl, lambda: load_reward_model(model_path, rl.model, pad_id), rl.critic.optim, total_steps, stage_uri, key)
+        self.head = model.score
+
+    def values(self, exp: Experience) -> torch.Tensor:
+        return self._per_row(exp, "value", lambda sub: response_values(self.strategy.engine, self.head, sub))
+
+    def train(self, exp: Experience, old_values: torch.Tensor, returns: torch.Tensor, step: int) -> dict[str, float]:
+        clip = self.rl.critic.value_clip
+
+        def micro_loss(sub: Experience, rows: list[int], num_tokens: float, num_sequences: float):
+            r = sub.mask.shape[1]
+            values = response_values(self.strategy.engine, self.head, sub)
+            loss, m = value_loss(values, old_values[rows, :r], returns[rows, :r], sub.mask, clip, num_tokens)
+            tokens = sub.mask.sum()
+            return loss, {"value_loss": loss.detach(), "value_clip_tokens": m["value_clip_frac"] * tokens, "tokens": tokens}
+
+        sums = self._train(exp, step, micro_loss)
+        return {"value_loss": sums["value_loss"] / max(1, sums["optimizer_steps"]),
+                "value_clip_frac": sums["value_clip_tokens"] / max(sums["tokens"], 1), "critic_grad_norm": sums["grad_norm"]}
+
+
+class ReferenceWorker(Worker):
+    def setup(self, rl: RLConfig, model_path: str) -> None:
+        self.rl = rl
+        self.model = load_causal_lm(model_path, rl.model).eval()
+
+    @torch.no_grad()
+    def logprobs(self, exp: Experience) -> torch.Tensor:
+        micro, out = self.rl.batch.micro_batch_size, torch.zeros_like(exp.mask)
+        for k in range(0, len(exp), micro):
+            rows = list(range(k, min(k + micro, len(exp))))
+            sub = exp.rows(rows)
+            out[rows, : sub.mask.shape[1]] = response_logprobs(self.model, sub, self.rl.generation.temperature)[0]
+        return out * exp.mask
+
+
+class RewardModelWorker(Worker):
+    def setup(self, model_path: str, normalize: bool, batch_size: int) -> None:
+        from alignflow.stages.rm.scoring import RewardScorer
+
+        self.scorer = RewardScorer(model_path, normalize=normalize, batch_size=batch_size)
+
+    def score(self, sequences: list[list[int]]) -> torch.Tensor:
+        return self.scorer.score_ids(sequences)
+
+
+class RolloutWorker(Worker):
+    def setup(self, rl: RLConfig, model_path: str) -> None:
+        tokenizer = load_tokenizer(model_path)
+        self.generator = HFGenerator(load_causal_lm(model_path, rl.model), tokenizer.eos_token_id, tokenizer.pad_token_id,
+                                     rl.generation.batch_size)
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Rollout]:
+        return self.generator.generate(prompts, params)
+
+    def load_weights(self, state: dict[str, torch.Tensor]) -> None:
+        self.generator.load_weights(state)
