@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -118,6 +119,11 @@ def _wait_http(url: str, proc: subprocess.Popen, log: str, timeout: float, name:
             with urllib.request.urlopen(url, timeout=2) as response:
                 if response.status < 500:
                     return
+        except urllib.error.HTTPError as exc:
+            if exc.code in (401, 403):
+                raise ServiceError(f"{name} at {url} is up but refuses requests without credentials (HTTP {exc.code}); "
+                                   f"for Ray, set RAY_AUTH_MODE and RAY_AUTH_TOKEN consistently; log: {log}") from None
+            time.sleep(0.5)
         except OSError:
             time.sleep(0.5)
     raise ServiceError(f"{name} did not answer at {url} within {timeout:.0f}s; log: {log}\n{_tail(log)}")
@@ -147,7 +153,11 @@ def start_ray_head(num_cpus: int | None = None, base: str | None = None, timeout
            f"--metrics-export-port={free_port()}", f"--node-manager-port={free_port()}",
            f"--object-manager-port={free_port()}", f"--num-cpus={num_cpus or os.cpu_count() or 1}"]
     # The venv's bin first on PATH: a job's bare `python` is then this interpreter.
-    env = {"PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}", "RAY_USAGE_STATS_ENABLED": "0"}
+    env = {"PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}", "RAY_USAGE_STATS_ENABLED": "0",
+           # Ray 2.60 turns token auth on by itself when ~/.ray/auth_token exists (any local `ray.init()`
+           # writes one), and then our Jobs API client and health checks would be refused. The mode is set
+           # explicitly instead; set RAY_AUTH_MODE=token (with RAY_AUTH_TOKEN) to run the head with auth.
+           "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled")}
     return _launch("ray", cmd, home, env, f"http://127.0.0.1:{dashboard}", ["/api/version", "/api/jobs/"], timeout)
 
 

@@ -8,6 +8,7 @@ import json
 from alignflow.infra import storage
 
 from .conftest import alignflow, ray_jobs
+from .test_pipeline import FAST as FAST_SFT
 from .test_pipeline import run_args
 
 LATER = ["--set", "rm.batch.max_steps=12", "--set", "dpo.batch.max_steps=8", "--set", "kto.batch.max_steps=8",
@@ -54,3 +55,33 @@ def test_dpo_kto_and_full_pipelines_share_one_sft_stage(services, tmp_path):
     assert again.returncode == 0, again.stdout[-3000:]
     assert [s["cached"] for s in json.loads((tmp_path / "again.json").read_text())["stages"]] == [True, True]
     assert ray_jobs(services) == jobs
+
+
+RL_FAST = ["--set", "rl.batch.max_steps=3", "--set", "rl.logging.eval_every=3", "--set", "rl.checkpoint.every_steps=2"]
+
+
+def test_grpo_and_full_ppo_pipelines_run_rl_on_ray_worker_groups(services, tmp_path):
+    """grpo = SFT -> GRPO with the shipped reward function; full = SFT -> RM -> PPO (critic, reward model).
+    The RL job starts its worker groups inside the session's Ray cluster and reads the SFT and RM models from S3."""
+    from mlflow import MlflowClient
+
+    root, client = "s3://alignflow-test/e2e-pref", MlflowClient(services["mlflow"])
+    runs = {}
+    for name, args in (("grpo", ["configs/tiny.yaml", "--set", "pipeline=grpo"]), ("full", ["configs/tiny-ppo.yaml"])):
+        out = tmp_path / f"{name}.json"
+        proc = alignflow(services, "run", *args, "--set", f"storage.root={root}", "--set", "name=e2e-pref", *FAST_SFT, *LATER,
+                         *RL_FAST, "--summary-json", str(out))
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        runs[name] = json.loads(out.read_text())
+    assert [s["stage"] for s in runs["grpo"]["stages"]] == ["sft", "rl"]
+    assert [s["stage"] for s in runs["full"]["stages"]] == ["sft", "rm", "rl"] and runs["full"]["stages"][0]["cached"]
+    for name, summary in runs.items():
+        rl = summary["stages"][-1]
+        assert not rl["cached"] and summary["registered_model"]["source"] == storage.join(rl["uri"], "model")
+        child = client.get_run(rl["mlflow_run_id"])
+        metrics = set(child.data.metrics)
+        assert {"reward_mean", "policy_loss", "kl", "entropy", "time_train_s", "gen_tokens_per_s"} <= metrics, metrics
+        manifest = json.loads(storage.read_text(storage.join(rl["uri"], "MANIFEST.json")))
+        assert "upstream:sft" in manifest["inputs"] and ("upstream:rm" in manifest["inputs"]) == (name == "full")
+        assert any(f.startswith("model/") for f in manifest["files"])
+    assert "value_loss" in runs["full"]["stages"][-1]["metrics"]

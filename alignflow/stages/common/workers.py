@@ -31,6 +31,9 @@ def connect_ray(num_cpus: int | None = None) -> bool:
     if os.environ.get("RAY_ADDRESS"):
         ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=True)
     else:
+        # Explicit, so a private instance neither writes ~/.ray/auth_token (which would switch every Ray
+        # head started later on this machine to token auth) nor depends on one being there.
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
         temp = tempfile.mkdtemp(prefix="afray-", dir="/tmp")  # short: Ray's socket paths have a length limit
         ray.init(address="local", num_cpus=num_cpus or os.cpu_count(), include_dashboard=False, _temp_dir=temp,
                  log_to_driver=True, runtime_env={"env_vars": {k: v for k, v in os.environ.items() if k.startswith(("ALIGNFLOW_", "AWS_", "HF_"))}})
@@ -68,12 +71,24 @@ def plan_slots(roles: dict[str, int], cpus_per_bundle: float, gpus_per_bundle: f
         size = max(roles[r] for r in members)
         bundle = {"CPU": cpus_per_bundle, **({"GPU": gpus_per_bundle} if gpus_per_bundle else {})}
         group = placement_group([dict(bundle) for _ in range(size)], strategy="PACK")
-        _wait_ready(group, members, bundle, size)
+        try:
+            _wait_ready(group, members, bundle, size)
+        except RuntimeError:
+            release({"": [Slot(group, 0, 0, 0, 1)]})
+            raise
         for role in members:
             sharing = [sum(1 for r in members if roles[r] > i) for i in range(size)]
             slots[role] = [Slot(group, i, cpus_per_bundle / sharing[i], gpus_per_bundle / sharing[i], max(1, int(cpus_per_bundle)))
                            for i in range(roles[role])]
     return slots
+
+
+def release(slots: dict[str, list[Slot]]) -> None:
+    """Remove the placement groups of a plan (their bundles go back to the cluster)."""
+    from ray.util import remove_placement_group
+
+    for group in {id(s.group): s.group for role in slots.values() for s in role}.values():
+        remove_placement_group(group)
 
 
 def _wait_ready(group, members: list[str], bundle: dict[str, float], size: int) -> None:

@@ -30,7 +30,7 @@ from alignflow.stages.common.generation import Rollout, SamplingParams
 from alignflow.stages.common.models import fetch_published_model, load_tokenizer
 from alignflow.stages.common.publish import finish_publish, publish_dir
 from alignflow.stages.common.run import TrainingRun
-from alignflow.stages.common.workers import WorkerGroup, connect_ray, plan_slots
+from alignflow.stages.common.workers import WorkerGroup, connect_ray, plan_slots, release
 from alignflow.stages.rl.advantages import advantages
 from alignflow.stages.rl.data import PromptRow, columns_of, load_prompts
 from alignflow.stages.rl.experience import Experience
@@ -111,16 +111,20 @@ class Roles:
             wanted["critic"] = rl.workers.critic
         if reward_model:
             wanted["reward"] = rl.workers.reward
-        slots = plan_slots(wanted, rl.workers.cpus_per_worker, rl.workers.gpus_per_worker, rl.workers.colocate)
+        slots = self.slots = plan_slots(wanted, rl.workers.cpus_per_worker, rl.workers.gpus_per_worker, rl.workers.colocate)
         optimizer_steps = steps * rl.policy.epochs * (rl.rollout.prompts_per_step * rl.generation.n_samples_per_prompt // rl.batch.global_batch_size)
         self.groups: dict[str, WorkerGroup] = {}
-        self.actor = self._start("actor", ActorWorker, slots, rl, base, optimizer_steps, out, key)
-        self.rollout = self._start("rollout", RolloutWorker, slots, rl, base)
-        self.reference = self._start("reference", ReferenceWorker, slots, rl, base) if "reference" in wanted else None
-        self.critic = (self._start("critic", CriticWorker, slots, rl, reward_model or base, pad_id, optimizer_steps, out, key)
-                       if "critic" in wanted else None)  # PPO's critic starts from the reward model when there is one
-        self.reward = (self._start("reward", RewardModelWorker, slots, reward_model, rl.reward.normalize, rl.generation.batch_size)
-                       if "reward" in wanted else None)
+        try:
+            self.actor = self._start("actor", ActorWorker, slots, rl, base, optimizer_steps, out, key)
+            self.rollout = self._start("rollout", RolloutWorker, slots, rl, base)
+            self.reference = self._start("reference", ReferenceWorker, slots, rl, base) if "reference" in wanted else None
+            self.critic = (self._start("critic", CriticWorker, slots, rl, reward_model or base, pad_id, optimizer_steps, out, key)
+                           if "critic" in wanted else None)  # PPO's critic starts from the reward model when there is one
+            self.reward = (self._start("reward", RewardModelWorker, slots, reward_model, rl.reward.normalize, rl.generation.batch_size)
+                           if "reward" in wanted else None)
+        except BaseException:
+            self.shutdown()  # no actor or placement group outlives a failed start
+            raise
 
     def _start(self, role: str, cls: type, slots, *setup_args) -> WorkerGroup:
         group = self.groups[role] = WorkerGroup(role, cls, slots[role])
@@ -156,6 +160,7 @@ class Roles:
     def shutdown(self) -> None:
         for group in self.groups.values():
             group.kill()
+        release(self.slots)
 
 
 class Scorer:
