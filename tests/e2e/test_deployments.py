@@ -77,8 +77,7 @@ def test_prefect_yaml_deploys_to_a_process_work_pool_and_a_worker_runs_it(servic
     assert {d["name"] for d in spec["deployments"]} == {"sft", "full", "grpo", "dpo", "kto"}
     assert all(not s["active"] for d in spec["deployments"] for s in d["schedules"])
     tiny = yaml.safe_load((ROOT / "configs/tiny.yaml").read_text())
-    for section in ("sft", "rm", "dpo", "kto"):  # prefect.yaml stays in step with the shipped config
-        assert spec["definitions"]["tiny"][section] == tiny[section], section
+    assert spec["definitions"]["tiny"]["sft"] == tiny["sft"]  # the rest: tests/unit/test_config.py
 
     assert prefect_cli(services, "work-pool", "create", "alignflow", "--type", "process").returncode == 0
     deploy = prefect_cli(services, "--no-prompt", "deploy", "--all")

@@ -146,3 +146,20 @@ def test_later_stages_start_from_upstream_and_reject_contradictions(tmp_path):
         load_config(write(tmp_path, BASE), [f"dpo.data.path={pref}", "dpo.loss=ipo", "dpo.label_smoothing=0.1"])
     with pytest.raises(ConfigError, match="kto.batch.global_batch_size|global_batch_size must be >= 2"):
         load_config(write(tmp_path, BASE), [f"kto.data.path={kto}", "kto.batch.global_batch_size=1", "kto.batch.micro_batch_size=1"])
+
+
+def test_prefect_yaml_deployments_match_the_shipped_configs(tmp_path, monkeypatch):
+    import yaml
+
+    monkeypatch.chdir(ROOT)
+    spec = yaml.safe_load((ROOT / "prefect.yaml").read_text())
+    tiny = yaml.safe_load((ROOT / "configs/tiny.yaml").read_text())
+    for section in ("sft", "rm", "dpo", "kto", "rl"):
+        assert spec["definitions"]["tiny"][section] == tiny[section], section
+    configs = {}
+    for deployment in spec["deployments"]:
+        path = tmp_path / f"{deployment['name']}.yaml"
+        path.write_text(yaml.safe_dump(deployment["parameters"]["config"]))
+        configs[deployment["name"]] = load_config(path)  # every deployment's parameters are a valid config
+    assert configs["full"].rl == load_config(ROOT / "configs/tiny-ppo.yaml").rl  # full = PPO as in tiny-ppo.yaml
+    assert configs["grpo"].rl == load_config(ROOT / "configs/tiny.yaml").rl
