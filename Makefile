@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/alignflow run configs/tiny.yaml
+	$(VENV)/bin/alignflow run configs/tiny-ppo.yaml
 
 test: $(STAMP)
 	$(PY) -m pytest -q
