@@ -65,12 +65,17 @@ def test_ppo_with_critic_raises_the_reward_model_score(tiny_sft, tiny_rm, tmp_pa
 
 @pytest.mark.parametrize("estimator", ["reinforce", "reinforce_baseline", "rloo", "dr_grpo"])
 def test_every_estimator_runs(tiny_sft, tmp_path, estimator):
+    """A few steps each (their advantages against hand-computed values: tests/unit/test_rl_math.py).
+    Dr. GRPO also runs with dynamic sampling and the overlong penalty."""
     _, sft = tiny_sft
+    extra = ["rl.rollout.dynamic_sampling=true", "rl.reward.overlong_buffer=4"] if estimator == "dr_grpo" else []
     result = main(config(tmp_path, f"rl.advantage.estimator={estimator}", "rl.batch.max_steps=2", "rl.kl.coef=0.01",
-                         "rl.logging.eval_every=100"), None, {"sft": sft["uri"]})
+                         "rl.logging.eval_every=100", *extra), None, {"sft": sft["uri"]})
     (*_, last) = [r for r in history(result["uri"]) if "policy_loss" in r]
     assert all(torch.isfinite(torch.tensor(v)) for v in last.values())
-    assert last["kl_coef"] == 0.01 and "kl_loss" in last
+    assert last["kl_coef"] == 0.01 and "kl_loss" in last and last["logprob_mismatch"] < 1e-4
+    if extra:
+        assert 0 <= last["dynamic_sampling/kept_fraction"] <= 1 and 1 <= last["sampling_rounds"] <= 3
 
 
 def test_killed_run_resumes_to_the_same_weights(tiny_sft, tmp_path, monkeypatch):
