@@ -61,9 +61,9 @@ The same work on both sides
 
 What is measured (per RL step; the first --warmup RL steps are not timed)
 - alignflow: the published metrics.json `history` gives each step's phases, timed by the driver (`Loop.step`):
-  `time/generate_and_score_s` (prompt pick, the Ray call to the rollout worker that generates, decode + reward
-  function), `time/inference_s` (the actor's no-grad old log-prob forwards, through Ray), `time/train_s` (advantages
-  and the actor's 2 optimizer steps, through Ray), `time/sync_s` (the actor's full weights through Ray's object store
+  `phase/generate_and_score_s` (prompt pick, the Ray call to the rollout worker that generates, decode + reward
+  function), `phase/inference_s` (the actor's no-grad old log-prob forwards, through Ray), `phase/train_s` (advantages
+  and the actor's 2 optimizer steps, through Ray), `phase/sync_s` (the actor's full weights through Ray's object store
   into the rollout worker). Step time = the sum of these four. The worker also wraps `Loop.step` to record its whole
   span: "unaccounted" = span - phase sum (the per-step metrics computed after the sync; should be ~0), and the
   loop wall (first timed step start -> last timed step end, so it also holds what runs between steps: the metrics
@@ -78,8 +78,10 @@ What is measured (per RL step; the first --warmup RL steps are not timed)
   (`_generate_and_score_completions` plus the shuffle/split of the generation batch) minus the log-probs; training =
   step time - that `_prepare_inputs` call (data fetch, the 2 forward/backward passes with their metrics, clipping,
   optimizer). Weight sync: none; TRL generates with the model it trains (one process, no vLLM), so there is nothing
-  to push (0). Setup = worker start -> first data fetch (model and tokenizer load, trainer construction, the first
-  `train()` preparations); not in the per-step figures.
+  to push (0). Setup = the worker's imports done -> first data fetch (prompt rows, model and tokenizer load, trainer
+  construction, the first `train()` preparations); not in the per-step figures. (The worker's own imports are in the
+  JSON as `imports_s`; alignflow's `time/setup_s` likewise excludes the driver's imports but includes the actor
+  processes' start, imports and model loads, which is most of it.)
 - sub-phases (JSON and the detail lines): alignflow driver side: `Roles.generate` (the Ray call that generates) and
   the scorer (decode + reward); TRL: `_generate_single_turn` (`model.generate`) and `_calculate_rewards`.
 - generated tokens: completion tokens including the EOS (alignflow: `response_length` x 128, from the response mask;
@@ -106,7 +108,7 @@ Differences that remain (each is part of what the framework does; none changes t
 - loss normaliser: alignflow divides each optimizer step's summed token losses by that step's completion tokens; TRL
   (`dapo`) by the generation batch's completion tokens / 2. Equal when the two halves hold equal token counts (they
   do when every completion has 8 tokens).
-- std in the advantage: torch's unbiased std + 1e-6 (alignflow) vs TRL's `nanstd` + 1e-4: the same values up to eps.
+- std in the advantage: both unbiased; + 1e-6 (alignflow) vs + 1e-4 (TRL) in the denominator.
 - the order of the rows within a step's two optimizer batches (both shuffle the 128 rows, with different RNGs).
 
 Noise: the table's "other CPU load" column is the share of all cores that other processes used while each worker ran:
@@ -115,8 +117,8 @@ daemons included) and of this parent process. The worker's tree is sampled from 
 (`TreeCPU`; the kernel's RUSAGE_CHILDREN misses Ray's actor processes, whose CPU time the raylet does not pass on),
 and the worker makes itself a child subreaper so that Ray's orphaned processes stay in its tree and are reaped by it.
 On a 2-core machine a competing process slows these small workloads a lot (see sft_throughput.py), so a run with more
-than ~5% is flagged and should not be compared. `--wait-idle SECONDS` waits for an idle machine before each run; `--repeats N` runs the frameworks
-round-robin N times and reports medians.
+than ~5% is flagged and should not be compared. `--wait-idle SECONDS` waits for an idle machine before each run;
+`--repeats N` runs the frameworks round-robin N times and reports medians.
 """
 
 from __future__ import annotations
@@ -169,8 +171,8 @@ def own_cpu_seconds() -> float:
 
 
 def become_subreaper() -> bool:
-    """Make this process the reaper of its orphaned descendants (Linux), so that the CPU time of Ray's processes,
-    whose parents exit before them, lands in this process's RUSAGE_CHILDREN once `reap_children` waits for them."""
+    """Make this process the reaper of its orphaned descendants (Linux): Ray's processes whose parent exits first stay
+    in this process's tree (which the parent samples, see `TreeCPU`) and are reaped here by `reap_children`."""
     try:
         import ctypes
 
@@ -208,10 +210,10 @@ def reap_children(timeout_s: float = 30.0) -> list[int]:
 class TreeCPU:
     """CPU seconds used by a process and all its descendants, sampled from /proc every `interval_s` in a thread.
 
-    RUSAGE_CHILDREN misses Ray's actor processes: the raylet that starts them does not hand their CPU time on when
-    they end (they are never waited for by a process that is itself waited for), so the parent polls the worker's
-    process tree instead. Each process counts with the last CPU time seen for it (utime + stime, its own, not its
-    children's), so the CPU a process uses after the last sample is missed (at most `interval_s` per process)."""
+    RUSAGE_CHILDREN misses Ray's actor processes (started by the raylet, their CPU time does not reach the worker's
+    rusage: in testing it held a sixth to a third of the tree's CPU time), so the parent samples the worker's process tree
+    instead. Each process counts with the last CPU time seen for it (utime + stime, its own, not its children's), so
+    the CPU a process uses after the last sample is missed (at most `interval_s` per process)."""
 
     def __init__(self, root: int, interval_s: float = 0.5):
         import threading
@@ -354,15 +356,15 @@ def worker_alignflow(args: argparse.Namespace) -> dict[str, Any]:
     main_s = time.perf_counter() - t_main
     leftover = reap_children() if subreaper else []
     metrics = json.loads((Path(result["uri"]) / "metrics.json").read_text())
-    history = [h for h in metrics["history"] if h["step"] >= 1 and "time/train_s" in h]
+    history = [h for h in metrics["history"] if h["step"] >= 1 and "phase/train_s" in h]
     if len(history) != total or len(spans) != total:
         raise RuntimeError(f"expected {total} steps, metrics.json has {len(history)}, timed {len(spans)}")
     if len(rollout_calls) != total or len(score_calls) != total:
         raise RuntimeError(f"expected one generation per step, got {len(rollout_calls)} rollout calls and {len(score_calls)} scorings")
     steps = []
     for i, h in enumerate(history):
-        phases = {"gen_s": h["time/generate_and_score_s"], "logp_s": h["time/inference_s"], "train_s": h["time/train_s"],
-                  "sync_s": h["time/sync_s"]}
+        phases = {"gen_s": h["phase/generate_and_score_s"], "logp_s": h["phase/inference_s"], "train_s": h["phase/train_s"],
+                  "sync_s": h["phase/sync_s"]}
         steps.append({
             "step": h["step"], **phases, "step_time_s": sum(phases.values()), "span_s": spans[i][1] - spans[i][0],
             "completions": COMPLETIONS, "gen_tokens": round(h["response_length"] * COMPLETIONS),
@@ -403,7 +405,7 @@ def worker_trl(args: argparse.Namespace) -> dict[str, Any]:
     from alignflow.config import PromptDataConfig
     from alignflow.stages.common.data import global_batch
     from alignflow.stages.common.models import load_tokenizer, resolve_model_path
-    from alignflow.stages.rl.data import columns_of, load_prompts
+    from alignflow.stages.rl.data import load_prompts
     from alignflow.stages.rl.rewards import FunctionReward
 
     become_subreaper()
@@ -799,8 +801,8 @@ def markdown(rows: list[dict[str, Any]], args: argparse.Namespace, meta: dict[st
         "unaccounted = the step's whole span minus its phases (TRL: the logging between its 2 optimizer steps); loop wall / "
         "step also holds what runs between steps (logging). With builtin:tiny (random weights) every reward is 0, so the "
         "advantages and gradients are 0: all the work runs, nothing is learned. "
-        "Setup (not in the per-step figures): alignflow `time/setup_s` (Ray, worker processes, models, engine); TRL worker start "
-        "-> first data fetch. See the docstring of benchmarks/grpo_throughput.py.",
+        "Setup (not in the per-step figures): alignflow `time/setup_s` (Ray, worker processes, models, engine); TRL after its "
+        "imports -> first data fetch. See the docstring of benchmarks/grpo_throughput.py.",
     ]
     return "\n".join(lines)
 

@@ -80,7 +80,7 @@ def test_grpo_and_full_ppo_pipelines_run_rl_on_ray_worker_groups(services, tmp_p
         assert not rl["cached"] and summary["registered_model"]["source"] == storage.join(rl["uri"], "model")
         child = client.get_run(rl["mlflow_run_id"])
         metrics = set(child.data.metrics)
-        assert {"reward_mean", "policy_loss", "kl", "entropy", "time_train_s", "gen_tokens_per_s"} <= metrics, metrics
+        assert {"reward_mean", "policy_loss", "kl", "entropy", "phase_train_s", "gen_tokens_per_s"} <= metrics, metrics
         manifest = json.loads(storage.read_text(storage.join(rl["uri"], "MANIFEST.json")))
         assert "upstream:sft" in manifest["inputs"] and ("upstream:rm" in manifest["inputs"]) == (name == "full")
         assert any(f.startswith("model/") for f in manifest["files"])

@@ -248,7 +248,7 @@ class Loop:
                 "finished_fraction": sum(r.finish_reason == "stop" for r in rollouts) / len(rollouts),
                 "gen_tokens_per_s": generated / max(clock.times["generate_and_score"], 1e-9),
                 "train_tokens_per_s": float(exp.attention_mask.sum()) * self.rl.policy.epochs / max(clock.times["train"], 1e-9),
-                **{f"time/{k}_s": v for k, v in clock.times.items()}}
+                **{f"phase/{k}_s": v for k, v in clock.times.items()}}  # per step; `time/*` is the whole stage
 
     def evaluate(self) -> dict[str, float]:
         """Greedy responses to the held-out prompts, scored by the reward source (for an exact-match
