@@ -29,14 +29,11 @@ def history(uri: str) -> list[dict]:
 @pytest.fixture(scope="module", autouse=True)
 def ray_session():
     """One private Ray instance for the module: each stage run starts its own worker groups in it."""
-    import ray
-
     from alignflow.stages.common.workers import connect_ray
 
-    started = connect_ray()
+    disconnect = connect_ray()
     yield
-    if started:
-        ray.shutdown()
+    disconnect()
 
 
 def test_grpo_raises_held_out_accuracy(tiny_sft, tmp_path):

@@ -11,25 +11,28 @@ phases one after another, so each may use all of it.
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from alignflow.stages.common.strategy import THREADS_ENV
 
 PLACEMENT_TIMEOUT_S = 120
 
 
-def connect_ray(num_cpus: int | None = None) -> bool:
+def connect_ray(num_cpus: int | None = None) -> Callable[[], None]:
     """Join the cluster of the Ray job this runs in (Ray sets RAY_ADDRESS there). Run by hand, start
     a private local Ray instead: never a bare `ray.init()`, which joins whatever cluster the machine
-    last started. Returns True when this call started Ray (the caller shuts it down)."""
+    last started. Returns what undoes this call: nothing when Ray was already up; disconnecting;
+    or, for a private instance, stopping it and removing its temp folder."""
     import ray
 
     if ray.is_initialized():
-        return False
+        return lambda: None
     if os.environ.get("RAY_ADDRESS"):
         ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=True)
+        return ray.shutdown
     else:
         # Explicit, so a private instance neither writes ~/.ray/auth_token (which would switch every Ray
         # head started later on this machine to token auth) nor depends on one being there.
@@ -37,7 +40,12 @@ def connect_ray(num_cpus: int | None = None) -> bool:
         temp = tempfile.mkdtemp(prefix="afray-", dir="/tmp")  # short: Ray's socket paths have a length limit
         ray.init(address="local", num_cpus=num_cpus or os.cpu_count(), include_dashboard=False, _temp_dir=temp,
                  log_to_driver=True, runtime_env={"env_vars": {k: v for k, v in os.environ.items() if k.startswith(("ALIGNFLOW_", "AWS_", "HF_"))}})
-    return True
+
+        def stop() -> None:
+            ray.shutdown()
+            shutil.rmtree(temp, ignore_errors=True)
+
+        return stop
 
 
 @dataclass(frozen=True)

@@ -53,7 +53,7 @@ def main(cfg: PipelineConfig, output_uri: str | None = None, inputs: dict[str, s
     train, held, stats = load_prompts(rl.data, tokenizer, rl.batch.seed)  # bad data fails before any model work
     scorer = Scorer(rl, tokenizer, FunctionReward(rl.reward.function) if rl.reward.function else None)
     steps = rl_steps(len(train), rl)
-    started_ray = connect_ray()
+    disconnect = connect_ray()
     roles = None
     try:
         roles = Roles(rl, base, reward_model, tokenizer.pad_token_id, steps, run.out, run.key)
@@ -70,10 +70,7 @@ def main(cfg: PipelineConfig, output_uri: str | None = None, inputs: dict[str, s
     finally:
         if roles is not None:
             roles.shutdown()
-        if started_ray:
-            import ray
-
-            ray.shutdown()
+        disconnect()
 
 
 def reward_model_path(run: TrainingRun, rl: RLConfig) -> str | None:
