@@ -32,6 +32,8 @@ test-e2e: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/sft_throughput.py
+	$(PY) benchmarks/preference_throughput.py --stage rm,dpo
+	$(PY) benchmarks/grpo_throughput.py
 
 clean:
 	rm -rf outputs .pytest_cache
