@@ -30,6 +30,11 @@ def _load(config: Path, overrides: list[str] | None):
         raise typer.Exit(2) from None
 
 
+# What the run summary shows of each stage (those it has): held-out figures first.
+SUMMARY_METRICS = ("eval/loss_initial", "eval/loss", "eval/accuracy", "eval/rewards/accuracy", "eval/rewards/margin",
+                   "eval/reward_initial", "eval/reward", "reward/mean", "kl")
+
+
 @app.command()
 def stage(
     name: Annotated[Stage, typer.Argument(help="stage to run")],
@@ -120,7 +125,7 @@ def _print_summary(result: dict) -> None:
     for col in ("stage", "cache", "seconds", "main metrics", "artifacts"):
         table.add_column(col)
     for st in result["stages"]:
-        main = {k: v for k, v in st["metrics"].items() if k in ("loss", "eval/loss", "eval/loss_initial", "accuracy", "reward_mean")}
+        main = {k: v for k, v in st["metrics"].items() if k in SUMMARY_METRICS}
         table.add_row(st["stage"], "hit" if st["cached"] else "run", f"{st['seconds']:.1f}",
                       ", ".join(f"{k}={v:.4g}" for k, v in main.items()), st["uri"])
     console = Console()
