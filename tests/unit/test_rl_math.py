@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from alignflow.stages.rl.advantages import Estimator, advantages, baselined_scores, gae, whiten
+from alignflow.stages.rl.advantages import Estimator, action_order, advantages, baselined_scores, gae, whiten
+from alignflow.stages.rl.experience import response_widths
 from alignflow.stages.rl.kl import KLEstimator, adaptive_kl_coef, kl_per_token
 from alignflow.stages.rl.losses import entropy_from_logits, policy_loss, value_loss
 
@@ -141,3 +142,64 @@ def test_value_loss_by_hand():
 
 def test_entropy_of_a_uniform_distribution():
     assert entropy_from_logits(torch.zeros(1, 1, 4)).item() == pytest.approx(math.log(4))
+
+
+# --------------------------------------------------------------------------- multi-turn: environment tokens in the mask
+# A trajectory [answer a1 a2][environment e e][answer a3] then padding: mask 1 1 0 0 1 0. The steps are
+# a1, a2, a3 (advantages.py's docstring): one γ step and one value bootstrap across the environment's reply.
+
+HOLES = rows([1, 1, 0, 0, 1, 0])
+
+
+def test_action_order_compacts_and_restores():
+    mask = rows([1, 1, 0, 0, 1, 0], [1, 0, 0, 0, 0, 0])
+    index = action_order(mask)
+    assert index.tolist() == [[0, 1, 4, 2, 3, 5], [0, 1, 2, 3, 4, 5]]
+    x = rows([1, 2, 3, 4, 5, 6], [7, 8, 9, 10, 11, 12])
+    torch.testing.assert_close(torch.zeros_like(x).scatter(-1, index, x.gather(-1, index)), x)
+    assert response_widths(mask).tolist() == [5, 1]  # last 1 + 1, not the number of 1s
+
+
+def test_discounted_returns_skip_environment_tokens_by_hand():
+    _, returns = advantages(Estimator.REINFORCE, t(1.0), HOLES, gamma=0.5)
+    torch.testing.assert_close(returns, rows([0.25, 0.5, 0.0, 0.0, 1.0, 0.0]))  # score on a3; a2 is one step before it
+    kl = rows([0.1, 0.2, 9.0, 9.0, 0.3, 9.0])  # the environment's and padding's entries are never read
+    _, returns = advantages(Estimator.REINFORCE, t(1.0), HOLES, kl=kl)
+    torch.testing.assert_close(returns, rows([0.4, 0.5, 0.0, 0.0, 0.7, 0.0]))  # r = (-0.1, -0.2, 1 - 0.3)
+
+
+def test_gae_skips_environment_tokens_by_hand():
+    values = rows([0.5, 0.2, 7.0, 7.0, 0.4, 7.0])
+    adv, ret = advantages(Estimator.GAE, t(1.0), HOLES, gamma=1.0, lam=1.0, values=values)
+    # δ(a3) = 1 - 0.4; δ(a2) = V(a3) - V(a2) = 0.2 (bootstraps across the reply); δ(a1) = 0.2 - 0.5
+    torch.testing.assert_close(adv, rows([0.5, 0.8, 0.0, 0.0, 0.6, 0.0]))
+    torch.testing.assert_close(ret, rows([1.0, 1.0, 0.0, 0.0, 1.0, 0.0]))
+    adv, _ = advantages(Estimator.GAE, t(1.0), HOLES, gamma=0.9, lam=0.5, values=values)
+    a2 = 0.9 * 0.4 - 0.2 + 0.45 * 0.6  # Schulman et al. 2016 Eq. 16 over the action tokens
+    torch.testing.assert_close(adv, rows([0.9 * 0.2 - 0.5 + 0.45 * a2, a2, 0.0, 0.0, 0.6, 0.0]))
+
+
+def test_group_estimator_broadcasts_to_action_tokens_only():
+    adv, _ = advantages(Estimator.DR_GRPO, t(1.0, 0.0), rows([1, 0, 1], [1, 1, 0]), n=2)
+    torch.testing.assert_close(adv, rows([0.5, 0.0, 0.5], [-0.5, -0.5, 0.0]))
+
+
+@pytest.mark.parametrize("estimator", list(Estimator))
+def test_holes_equal_the_trajectory_without_environment_tokens(estimator):
+    """Invariance: every estimator gives the action tokens of a mask with holes what it gives the same
+    rows with the environment's tokens cut out, and 0 to the environment's tokens."""
+    g = torch.Generator().manual_seed(0)
+    mask = rows([1, 1, 0, 0, 1, 1, 0], [1, 0, 1, 1, 1, 0, 0], [1, 1, 1, 0, 0, 0, 0], [1, 0, 0, 1, 0, 0, 1])
+    scores = torch.randn(4, generator=g, dtype=torch.float64)
+    kl, values = (torch.randn(4, 7, generator=g, dtype=torch.float64) for _ in range(2))
+    values = values if estimator.needs_critic else None
+    adv, ret = advantages(estimator, scores, mask, n=2, gamma=0.9, lam=0.8, kl=kl, values=values)
+
+    def cut(x):  # each row's action tokens, left-aligned, zero-padded
+        return torch.stack([torch.cat([x[b][mask[b] > 0], x.new_zeros(7 - int(mask[b].sum()))]) for b in range(4)])
+
+    ref_adv, ref_ret = advantages(estimator, scores, cut(mask), n=2, gamma=0.9, lam=0.8, kl=cut(kl),
+                                  values=cut(values) if values is not None else None)
+    torch.testing.assert_close(cut(adv), ref_adv)
+    torch.testing.assert_close(cut(ret), ref_ret)
+    assert (adv[mask == 0] == 0).all() and (ret[mask == 0] == 0).all()

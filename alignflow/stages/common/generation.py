@@ -1,7 +1,7 @@
 """Generators: token ids in; token ids, their log-probs and finish reasons out.
 
 The RL stage talks to a generator only through this interface, so the backend (Hugging Face
-`generate` here; vLLM rollout engines in the next issue) can change without touching the
+`generate` here; vLLM rollout engines in `vllm_engine.py`) can change without touching the
 loop. Everything is token ids: the trainer scores exactly the tokens that were sampled,
 with no decode/re-encode round trip.
 
@@ -24,6 +24,9 @@ class Rollout:
     response_ids: list[int]  # ends with EOS when finish_reason == "stop"
     logprobs: list[float]  # one per response token
     finish_reason: str  # "stop" (EOS) or "length" (max_new_tokens reached)
+    # Multi-turn trajectories only: 1 = sampled by the policy, 0 = environment token (log-prob 0,
+    # no loss). None = every response token was sampled.
+    action_mask: list[int] | None = None
 
 
 @dataclass(frozen=True)
@@ -34,6 +37,7 @@ class SamplingParams:
     top_k: int = 0  # 0 = off
     n: int = 1  # samples per prompt, returned consecutively
     seed: int = 0
+    stop_token_ids: tuple[int, ...] = ()  # end a response like EOS does (and stay in it)
 
 
 class Generator(Protocol):
@@ -90,17 +94,18 @@ class HFGenerator:
             token = torch.where(done, torch.full_like(token, self.pad), token)
             tokens.append(token)
             logps.append(logp.gather(-1, token.unsqueeze(-1)).squeeze(-1))
-            done |= token == self.eos
+            done |= torch.isin(token, torch.tensor([self.eos, *params.stop_token_ids], device=device))
             if bool(done.all()):
                 break
             attn = torch.cat([attn, torch.ones_like(attn[:, :1])], dim=-1)  # finished rows' outputs are discarded
             step_pos = step_pos[:, -1:] + 1
             step_ids = token.unsqueeze(-1)
-        return [self._rollout(p, [int(t[b]) for t in tokens], [float(lp[b]) for lp in logps]) for b, p in enumerate(prompts)]
+        stops = {self.eos, *params.stop_token_ids}
+        return [self._rollout(p, [int(t[b]) for t in tokens], [float(lp[b]) for lp in logps], stops) for b, p in enumerate(prompts)]
 
-    def _rollout(self, prompt: list[int], tokens: list[int], logps: list[float]) -> Rollout:
-        if self.eos in tokens:
-            end = tokens.index(self.eos) + 1
+    def _rollout(self, prompt: list[int], tokens: list[int], logps: list[float], stops: set[int]) -> Rollout:
+        end = next((j + 1 for j, t in enumerate(tokens) if t in stops), None)
+        if end is not None:
             return Rollout(prompt, tokens[:end], logps[:end], "stop")
         return Rollout(prompt, tokens, logps, "length")
 

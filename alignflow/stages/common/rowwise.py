@@ -30,9 +30,12 @@ class RowBuffer:
         self.values: dict[str, torch.Tensor] = {}
 
     def put(self, rows: list[int], values: dict[str, torch.Tensor]) -> None:
+        """No rows: only make the buffers, so this rank still joins the sum of every name."""
         for name, v in values.items():
             shape = (self.n,) if self.width is None else (self.n, self.width)
             buf = self.values.setdefault(name, torch.zeros(shape, dtype=torch.float32))
+            if not rows:
+                continue
             v = v.detach().float().cpu()
             if self.width is None:
                 buf[torch.tensor(rows)] = v
@@ -48,7 +51,7 @@ def all_rows(strategy: Strategy, lengths: list[int], micro: int, forward: Forwar
     """`forward` over every row (no gradient, eval mode), split across ranks; every rank gets the
     full (n,) results. Rows are length-sorted so micro-batches pad little. Every rank runs the
     same number of forwards (ZeRO-3 gathers parameters collectively): a rank out of rows repeats
-    its first chunk and drops the result."""
+    its first chunk and drops the result (a rank with fewer chunks than ranks still gets every name)."""
     if not lengths:
         return {}
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
@@ -59,8 +62,7 @@ def all_rows(strategy: Strategy, lengths: list[int], micro: int, forward: Forwar
     for r in range(rounds):
         j = r * strategy.world_size + strategy.rank
         values = forward(chunks[j] if j < len(chunks) else chunks[0])
-        if j < len(chunks):
-            buffer.put(chunks[j], values)
+        buffer.put(chunks[j] if j < len(chunks) else [], values)
     strategy.engine.train()
     return buffer.gather(strategy)
 

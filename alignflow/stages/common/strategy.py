@@ -22,6 +22,7 @@ import torch
 
 from alignflow.config import BatchConfig, DeepSpeedConfig, OptimConfig
 from alignflow.infra.ports import free_port
+from alignflow.stages.common.workers import THREADS_ENV  # set by worker groups: the CPUs Ray gave this worker
 
 if not torch.cuda.is_available():
     os.environ.setdefault("DS_ACCELERATOR", "cpu")  # must be set before deepspeed is imported
@@ -45,9 +46,6 @@ def lr_lambda(optim: OptimConfig, total_steps: int):
     return factor
 
 
-THREADS_ENV = "ALIGNFLOW_THREADS_PER_WORKER"  # set by worker groups: the CPUs Ray gave this worker
-
-
 def threads_per_worker(world_size: int) -> int:
     if os.environ.get(THREADS_ENV):
         return max(1, int(float(os.environ[THREADS_ENV])))
@@ -55,9 +53,10 @@ def threads_per_worker(world_size: int) -> int:
 
 
 class Strategy:
-    """Holds the process group facts and, after `prepare`, the DeepSpeed engine."""
+    """Holds the process group facts and, after `prepare` (or `prepare_frozen`), the DeepSpeed engine.
+    `optim` None: a frozen model that only runs forward (RL's reference and reward model)."""
 
-    def __init__(self, ds: DeepSpeedConfig, batch: BatchConfig, optim: OptimConfig):
+    def __init__(self, ds: DeepSpeedConfig, batch: BatchConfig, optim: OptimConfig | None):
         self.ds, self.batch, self.optim = ds, batch, optim
         self.engine = None
         self._hf_ds_config = None
@@ -66,12 +65,12 @@ class Strategy:
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
         per_step = batch.global_batch_size
-        if per_step % (batch.micro_batch_size * self.world_size):
+        if optim is not None and per_step % (batch.micro_batch_size * self.world_size):
             raise ValueError(
                 f"batch.global_batch_size={per_step} is not a multiple of micro_batch_size "
                 f"({batch.micro_batch_size}) x workers ({self.world_size})"
             )
-        self.grad_accum = per_step // (batch.micro_batch_size * self.world_size)
+        self.grad_accum = per_step // (batch.micro_batch_size * self.world_size) if optim is not None else 1
         if torch.cuda.is_available():
             torch.cuda.set_device(self.device)
         else:
@@ -92,15 +91,15 @@ class Strategy:
 
     def ds_config(self) -> dict[str, Any]:
         zero: dict[str, Any] = {"stage": self.ds.zero_stage}
-        if self.ds.offload_optimizer:
+        if self.ds.offload_optimizer and self.optim is not None:
             zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
         if self.ds.zero_stage == 3:
             zero["stage3_gather_16bit_weights_on_model_save"] = False
         return {
-            "train_batch_size": self.batch.global_batch_size,
+            "train_batch_size": self.batch.micro_batch_size * self.grad_accum * self.world_size,
             "train_micro_batch_size_per_gpu": self.batch.micro_batch_size,
             "gradient_accumulation_steps": self.grad_accum,
-            "gradient_clipping": self.optim.grad_clip,
+            "gradient_clipping": self.optim.grad_clip if self.optim is not None else 0.0,
             "zero_optimization": zero,
             "bf16": {"enabled": self.ds.precision == "bf16"},
             "zero_allow_untested_optimizer": True,
@@ -138,6 +137,20 @@ class Strategy:
         self.engine, _, _, _ = deepspeed.initialize(
             model=model, optimizer=optimizer, lr_scheduler=make_scheduler, config=self.ds_config(), dist_init_required=False
         )
+        return self.engine
+
+    def prepare_frozen(self, model: torch.nn.Module) -> Any:
+        """A model that only runs forward. Under ZeRO-3 its weights stay partitioned over the workers
+        (built inside `model_init`) and are gathered layer by layer in each forward, so every worker
+        must run the same number of forwards (`rowwise.all_rows` does). ZeRO-1/2 partition optimizer
+        states and gradients, which a frozen model has none of: there it stays a plain module, and
+        `engine` is that module."""
+        model.requires_grad_(False)
+        if self.ds.zero_stage == 3:
+            self.engine, *_ = deepspeed.initialize(model=model, config=self.ds_config(), dist_init_required=False)
+        else:
+            self.engine = model.to(self.device)
+        self.engine.eval()
         return self.engine
 
     # ---------------------------------------------------------------- training step

@@ -16,9 +16,10 @@ import tempfile
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from alignflow.stages.common.strategy import THREADS_ENV
-
 PLACEMENT_TIMEOUT_S = 120
+# Set on every worker: the CPUs of its bundle, read by the training seam (`strategy.py`). Defined
+# here, not there, so a worker group imports neither torch nor DeepSpeed until its workers need them.
+THREADS_ENV = "ALIGNFLOW_THREADS_PER_WORKER"
 
 
 def connect_ray(num_cpus: int | None = None) -> Callable[[], None]:

@@ -3,8 +3,9 @@
 Vocabulary: B sampled responses, the n samples of one prompt in consecutive rows (group
 estimators need it); R response tokens; `mask` (B, R) is 1 on response tokens (the EOS
 included) and 0 on the padding after it; `scores` (B,) is one reward per response (reward
-model or reward function); `kl` (B, R) is the per-token KL penalty already scaled by its
-coefficient when the KL goes into the reward (zeros otherwise).
+model, reward function, or the summed rewards of an environment's episode); `kl` (B, R) is
+the per-token KL penalty already scaled by its coefficient when the KL goes into the reward
+(zeros otherwise).
 
 One recipe for every estimator (the dispatch is `Estimator`'s properties, in one place):
 1. a baseline is subtracted from the sequence scores (none, group mean, leave-one-out mean,
@@ -14,6 +15,15 @@ One recipe for every estimator (the dispatch is `Estimator`'s properties, in one
    discounted return of r_t from each token (with γ = 1 and no KL this is the baselined
    score on every token, which is GRPO/RLOO's broadcast);
 4. REINFORCE++ and REINFORCE++-baseline then normalise the advantages over the batch.
+
+Multi-turn episodes (`executors.MultiTurn`) are one token sequence in which the environment's
+tokens sit between the policy's answers with mask 0, so a row's mask can have holes. The
+steps of the MDP are the policy's tokens only; an environment reply is part of the transition
+from the last token of one answer to the first of the next (the loss masking of tool/retrieved
+tokens, as in Search-R1, Jin et al. 2025). `advantages` therefore moves each row's action
+tokens to the front (`action_order`), runs the recipe on that contiguous mask — one γ step and
+one value bootstrap across an environment reply, the episode's score on the last action token —
+and puts the results back; environment tokens get 0.
 """
 
 from __future__ import annotations
@@ -79,13 +89,29 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: 
     return adv, (adv + values) * mask
 
 
+def action_order(mask: torch.Tensor) -> torch.Tensor:
+    """(B, R) index that gathers each row's masked (action) tokens to the front, in order, then
+    the rest: `x.gather(-1, index)` compacts, `scatter(-1, index, y)` puts back (a permutation)."""
+    return torch.sort((mask == 0).to(torch.uint8), dim=-1, stable=True).indices
+
+
 def advantages(estimator: Estimator, scores: torch.Tensor, mask: torch.Tensor, *, n: int = 1, gamma: float = 1.0,
                lam: float = 1.0, kl: torch.Tensor | None = None, values: torch.Tensor | None = None
                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(advantages, returns), both (B, R) and 0 on padding. `values` only for gae; `n` for group estimators."""
+    """(advantages, returns), both (B, R) and 0 on padding and environment tokens. `values` only for gae;
+    `n` for group estimators. A mask with holes is compacted first (module docstring)."""
     mask = mask.to(scores.dtype)
     if estimator.is_group and (n < 2 or scores.numel() % n):
         raise ValueError(f"{estimator.value} needs groups of n >= 2 samples per prompt; got n={n} for {scores.numel()} scores")
+    index = action_order(mask)
+    compact = lambda x: x.gather(-1, index) if x is not None else None  # noqa: E731
+    adv, returns = _contiguous(estimator, scores, compact(mask), n, gamma, lam, compact(kl), compact(values))
+    return torch.zeros_like(adv).scatter(-1, index, adv), torch.zeros_like(returns).scatter(-1, index, returns)
+
+
+def _contiguous(estimator: Estimator, scores: torch.Tensor, mask: torch.Tensor, n: int, gamma: float, lam: float,
+                kl: torch.Tensor | None, values: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Steps 1-4 on a mask whose 1s are a prefix of each row."""
     rewards = token_rewards(baselined_scores(estimator, scores, n), mask, kl)
     if estimator.needs_critic:
         if values is None:

@@ -5,6 +5,11 @@ T tokens. Response token j of a row sits at index prompt_len + j and is predicte
 output at `positions[:, j]` = prompt_len - 1 + j. Every per-token tensor of the RL stage
 (log-probs, values, KL, advantages) is (B, R) over response tokens, with `mask` 1 on real
 response tokens: the one response-mask name used everywhere in `stages/rl/`.
+
+In a multi-turn episode the response is the whole trajectory after the first prompt: the
+policy's answers and, between them, the environment's replies. Those are context, not
+actions: `mask` is 0 on them (the rollout's `action_mask`), so the mask has holes and a
+row's response width is the position of its last 1, not the number of 1s.
 """
 
 from __future__ import annotations
@@ -22,9 +27,9 @@ class Experience:
     input_ids: torch.Tensor  # (B, T) prompt + response, right-padded
     attention_mask: torch.Tensor  # (B, T)
     positions: torch.Tensor  # (B, R) index whose output predicts response token j
-    targets: torch.Tensor  # (B, R) response token ids (pad id where mask is 0)
-    mask: torch.Tensor  # (B, R) float, 1 on response tokens
-    sampled_logp: torch.Tensor  # (B, R) log-probs the generator reported for the tokens it sampled
+    targets: torch.Tensor  # (B, R) response token ids (pad id after the response)
+    mask: torch.Tensor  # (B, R) float, 1 on response tokens the policy sampled (0 on padding and environment tokens)
+    sampled_logp: torch.Tensor  # (B, R) log-probs the generator reported for the tokens it sampled (0 where mask is 0)
 
     @staticmethod
     def from_rollouts(rollouts: list[Rollout], pad_id: int) -> "Experience":
@@ -43,8 +48,8 @@ class Experience:
             attn[i, :p + n] = 1
             positions[i] = (p - 1 + torch.arange(resp)).clamp(max=width - 1)
             targets[i, :n] = torch.tensor(r.response_ids, dtype=torch.long)
-            mask[i, :n] = 1.0
-            sampled[i, :n] = torch.tensor(r.logprobs)
+            mask[i, :n] = torch.tensor(r.action_mask, dtype=torch.float32) if r.action_mask is not None else 1.0
+            sampled[i, :n] = torch.tensor(r.logprobs) * mask[i, :n]
         return Experience(ids, attn, positions, targets, mask, sampled)
 
     def __len__(self) -> int:
@@ -59,13 +64,19 @@ class Experience:
         """The given rows, cut to their own widths (a micro-batch)."""
         idx = torch.tensor(index)
         width = int(self.attention_mask[idx].sum(-1).max())
-        resp = max(1, int(self.mask[idx].sum(-1).max()))
+        resp = max(1, int(response_widths(self.mask[idx]).max()))
         return Experience(self.input_ids[idx, :width], self.attention_mask[idx, :width],
                           self.positions[idx, :resp].clamp(max=width - 1), self.targets[idx, :resp], self.mask[idx, :resp],
                           self.sampled_logp[idx, :resp])
 
     def to(self, device) -> "Experience":
         return Experience(*(getattr(self, f).to(device) for f in self.__dataclass_fields__))
+
+
+def response_widths(mask: torch.Tensor) -> torch.Tensor:
+    """(B,) 1 + the index of each row's last 1 in `mask` (0 for an empty row): with holes in the mask this is
+    more than the number of 1s."""
+    return (mask.ne(0) * torch.arange(1, mask.shape[-1] + 1, device=mask.device)).amax(-1)
 
 
 def response_logprobs(model, exp: Experience, temperature: float, with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:

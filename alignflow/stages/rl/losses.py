@@ -32,6 +32,7 @@ def policy_loss(
     agg: str = "token",
     num_tokens: float = 1.0,
     num_sequences: float = 1.0,
+    is_weight: torch.Tensor | None = None,  # (B, R) truncated importance weights, see `truncated_is_weight`
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     mask = mask.to(logp.dtype)
     ratio = torch.exp(logp - old_logp)
@@ -40,6 +41,8 @@ def policy_loss(
     per_token = -torch.min(surrogate, clipped)  # PPO's clipped objective (Schulman et al. 2017 Eq. 7)
     if dual_clip is not None:
         per_token = torch.where(adv < 0, torch.min(per_token, -dual_clip * adv), per_token)
+    if is_weight is not None:
+        per_token = per_token * is_weight
     loss = aggregate(per_token, mask, agg, num_tokens, num_sequences)
     was_clipped = (clipped < surrogate).to(logp.dtype)  # the clipped term was the smaller one
     with torch.no_grad():
@@ -49,6 +52,15 @@ def policy_loss(
             "approx_kl": ((torch.expm1(log_ratio) - log_ratio) * mask).sum() / mask.sum().clamp(min=1),
             "ratio": (ratio * mask).sum() / mask.sum().clamp(min=1),
         }
+
+
+def truncated_is_weight(old_logp: torch.Tensor, engine_logp: torch.Tensor, mask: torch.Tensor, cap: float) -> torch.Tensor:
+    """(B, R) min(π_old(a|s) / π_engine(a|s), cap), no gradient: the tokens were sampled by the rollout
+    engine, whose kernels give slightly different probabilities than the trainer's π_old; truncated
+    importance sampling reweights each token's loss by the ratio (Yao et al. 2025, "Your efficient RL
+    framework secretly brings you off-policy RL training", Eq. 3: TIS with cap C). 1 where mask is 0."""
+    weight = torch.exp(old_logp.detach() - engine_logp.detach()).clamp(max=cap)
+    return torch.where(mask > 0, weight, torch.ones_like(weight))
 
 
 def value_loss(

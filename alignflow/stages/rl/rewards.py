@@ -27,16 +27,17 @@ class RewardError(DataError):
     bad input (the stage exits with code 2 and is not retried), not a crash."""
 
 
-def load_function(spec: str) -> Callable[..., Any]:
+def load_function(spec: str, kind: str = "function") -> Callable[..., Any]:
+    """The callable `name` of `path/to/file.py:name` (a reward function, or an environment class)."""
     path, _, name = spec.rpartition(":")
     module_spec = importlib.util.spec_from_file_location(f"alignflow_reward_{Path(path).stem}", path)
     if module_spec is None or module_spec.loader is None:
-        raise RewardError(f"cannot import reward function file {path}")
+        raise RewardError(f"cannot import {path}, the file of {kind} {name!r}")
     module = importlib.util.module_from_spec(module_spec)
     module_spec.loader.exec_module(module)
     fn = getattr(module, name, None)
     if not callable(fn):
-        raise RewardError(f"{path} has no function {name!r}")
+        raise RewardError(f"{path} has no {kind} {name!r}")
     return fn
 
 

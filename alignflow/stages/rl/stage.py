@@ -7,7 +7,8 @@ Run by hand:  alignflow stage rl --config configs/tiny.yaml --set pipeline=grpo
 This process is the driver. It starts the roles as Ray worker groups (`workers.py`: actor,
 rollout, and as the config needs them reference, critic, reward model; placed by
 `stages.common.workers.plan_slots`) and runs the loop, one RL step at a time:
-generate (token ids) -> score (reward function or reward model, overlong penalty, dynamic
+generate and score through the executor (`executors.py`: single-turn with the reward function
+or reward model, or multi-turn episodes with an environment; overlong penalty; dynamic
 sampling) -> old / reference log-probs and values -> KL and advantages (pure functions) ->
 train actor (and critic) -> push the actor's weights to the rollout workers -> log ->
 checkpoint. Checkpoints hold the actor's and critic's DeepSpeed states and RNGs and, in the
@@ -17,7 +18,9 @@ sampling seeds are functions of (seed, step), so a resumed run continues exactly
 
 from __future__ import annotations
 
+import os
 import time
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -32,13 +35,19 @@ from alignflow.stages.common.publish import finish_publish, publish_dir
 from alignflow.stages.common.run import TrainingRun
 from alignflow.stages.common.workers import WorkerGroup, connect_ray, plan_slots, release
 from alignflow.stages.rl.advantages import advantages
-from alignflow.stages.rl.data import PromptRow, columns_of, load_prompts
+from alignflow.stages.rl.data import PromptRow, load_prompts
+from alignflow.stages.rl.executors import Episodes, Executor, MultiTurn, Scorer, SingleTurn, action_tokens, load_environment
 from alignflow.stages.rl.experience import Experience
 from alignflow.stages.rl.kl import adaptive_kl_coef, kl_per_token
 from alignflow.stages.rl.rewards import FunctionReward, overlong_penalty
-from alignflow.stages.rl.workers import ActorWorker, CriticWorker, ReferenceWorker, RewardModelWorker, RolloutWorker
+from alignflow.stages.common.vllm_engine import require_vllm
+from alignflow.stages.rl.workers import KILL_ENGINE_ENV, ActorWorker, CriticWorker, ReferenceWorker, RewardModelWorker, RolloutWorker
 
-CURVES = ["reward/mean", "eval/reward", "kl", "policy_loss", "entropy", "response_length"]
+class EngineError(RuntimeError):
+    """A rollout engine failed mid-step (retryable: the stage resumes from its last checkpoint)."""
+
+
+CURVES = ["reward/mean", "eval/reward", "success", "eval/success", "kl", "policy_loss", "entropy", "response_length"]
 
 
 def main(cfg: PipelineConfig, output_uri: str | None = None, inputs: dict[str, str] | None = None) -> dict[str, Any]:
@@ -47,18 +56,21 @@ def main(cfg: PipelineConfig, output_uri: str | None = None, inputs: dict[str, s
     if run.done:
         return run.cached_result()
     rl = run.section
+    if rl.generation.engine == "vllm":
+        require_vllm()  # before any download or model work
     base = run.base_model()
     reward_model = reward_model_path(run, rl)
     tokenizer = load_tokenizer(base)
     train, held, stats = load_prompts(rl.data, tokenizer, rl.batch.seed)  # bad data fails before any model work
-    scorer = Scorer(rl, tokenizer, FunctionReward(rl.reward.function) if rl.reward.function else None)
+    # Reward sources load before any worker starts, so a broken file fails fast.
+    function = FunctionReward(rl.reward.function) if rl.reward.function else None
+    environment = load_environment(rl.environment.path) if rl.environment else None
     steps = rl_steps(len(train), rl)
     disconnect = connect_ray()
     roles = None
     try:
         roles = Roles(rl, base, reward_model, tokenizer.pad_token_id, steps, run.out, run.key)
-        scorer.roles = roles
-        loop = Loop(rl, train, held, tokenizer, roles, scorer)
+        loop = Loop(rl, train, held, tokenizer, roles, make_executor(rl, tokenizer, roles, function, environment))
         run.start_with(RLTrainer(roles, run.key), steps, "gen_tokens_per_s", loop.evaluate)
         loop.kl_coef = run.resumed_state.get("kl_coef", rl.kl.coef)
 
@@ -82,6 +94,15 @@ def reward_model_path(run: TrainingRun, rl: RLConfig) -> str | None:
     return fetch_published_model(run.inputs["rm"], run.input_digests["rm"])
 
 
+def make_executor(rl: RLConfig, tokenizer, roles: "Roles", function: FunctionReward | None, environment) -> Executor:
+    """Multi-turn episodes with the environment, else one response per sample scored by the reward source."""
+    g, r = rl.generation, rl.reward
+    penalty = lambda lengths: overlong_penalty(lengths, g.max_new_tokens, r.overlong_buffer, r.overlong_penalty)  # noqa: E731
+    if environment is not None:
+        return MultiTurn(roles.generate, environment, rl.environment.path, tokenizer, rl.environment.max_turns, penalty)
+    return SingleTurn(roles.generate, Scorer(tokenizer, function, roles.score if roles.reward else None, penalty))
+
+
 def rl_steps(num_prompts: int, rl: RLConfig) -> int:
     per_epoch = num_prompts // rl.rollout.prompts_per_step
     if per_epoch == 0:
@@ -100,28 +121,40 @@ class Roles:
     """The worker groups of one RL run, and the calls that span groups."""
 
     def __init__(self, rl: RLConfig, base: str, reward_model: str | None, pad_id: int, steps: int, out: str, key: str):
-        est = rl.advantage.estimator
-        wanted = {"actor": rl.workers.actor, "rollout": 1}
+        self.rl, est = rl, rl.advantage.estimator
+        wanted = {"actor": rl.workers.actor, "rollout": rl.generation.engines}
         if rl.kl.coef > 0 or rl.kl.target is not None:
             wanted["reference"] = rl.workers.reference
         if est.needs_critic:
             wanted["critic"] = rl.workers.critic
         if reward_model:
             wanted["reward"] = rl.workers.reward
-        slots = self.slots = plan_slots(wanted, rl.workers.cpus_per_worker, rl.workers.gpus_per_worker, rl.workers.colocate)
+        slots = self.slots = self._plan(wanted)
         optimizer_steps = steps * rl.policy.epochs * (rl.rollout.prompts_per_step * rl.generation.n_samples_per_prompt // rl.batch.global_batch_size)
         self.groups: dict[str, WorkerGroup] = {}
         try:
             self.actor = self._start("actor", ActorWorker, slots, rl, base, optimizer_steps, out, key)
-            self.rollout = self._start("rollout", RolloutWorker, slots, rl, base)
+            self.rollout = self._start("rollout", RolloutWorker, slots, rl, base, None, os.environ.get(KILL_ENGINE_ENV))
             self.reference = self._start("reference", ReferenceWorker, slots, rl, base) if "reference" in wanted else None
             self.critic = (self._start("critic", CriticWorker, slots, rl, reward_model or base, pad_id, optimizer_steps, out, key)
                            if "critic" in wanted else None)  # PPO's critic starts from the reward model when there is one
-            self.reward = (self._start("reward", RewardModelWorker, slots, reward_model, rl.reward.normalize, rl.generation.batch_size)
-                           if "reward" in wanted else None)
+            self.reward = self._start("reward", RewardModelWorker, slots, rl, reward_model) if "reward" in wanted else None
         except BaseException:
             self.shutdown()  # no actor or placement group outlives a failed start
             raise
+
+    def _plan(self, wanted: dict[str, int]) -> dict[str, list]:
+        """Slots for every role. A tensor-parallel engine gets a bundle of its own with its TP GPUs: vLLM
+        starts one process per GPU inside the rollout worker, on the GPUs Ray gave that worker."""
+        w, tp = self.rl.workers, self.rl.generation.tensor_parallel_size
+        apart = {"rollout": wanted.pop("rollout")} if tp > 1 else {}
+        slots = plan_slots(wanted, w.cpus_per_worker, w.gpus_per_worker, w.colocate)
+        try:
+            slots.update(plan_slots(apart, w.cpus_per_worker, w.gpus_per_worker * tp, "none") if apart else {})
+        except BaseException:
+            release(slots)
+            raise
+        return slots
 
     def _start(self, role: str, cls: type, slots, *setup_args) -> WorkerGroup:
         group = self.groups[role] = WorkerGroup(role, cls, slots[role])
@@ -129,22 +162,32 @@ class Roles:
         return group
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Rollout]:
-        parts = [p for p in shards(len(prompts), len(self.rollout.workers))]
-        out = self.rollout.call_each("generate", [([prompts[i] for i in part], params) for part in parts])
+        """Prompts sharded over the rollout engines; engine k samples with its own seed stream."""
+        import ray
+
+        parts = shards(len(prompts), len(self.rollout.workers))
+        calls = [([prompts[i] for i in part], replace(params, seed=params.seed + 7919 * k)) for k, part in enumerate(parts)]
+        try:
+            out = self.rollout.call_each("generate", calls)
+        except ray.exceptions.RayActorError as err:  # the step fails; the stage resumes from its checkpoint on retry
+            raise EngineError(f"a rollout engine ({self.rl.generation.engine}) died during generation: {err}") from err
         return [r for chunk in out for r in chunk]
 
+    def before_training(self) -> None:
+        if self.rl.generation.sleep:  # colocated on GPUs: the engines give their memory to the trainers
+            self.rollout.call("sleep")
+
+    def after_training(self) -> None:
+        if self.rl.generation.sleep:
+            self.rollout.call("wake_up")
+
     def per_row(self, group: WorkerGroup, method: str, exp: Experience) -> torch.Tensor:
-        """(B, R) from a frozen role: rows sharded over its workers."""
-        parts = [p for p in shards(len(exp), len(group.workers)) if p]
-        results = group.call_each(method, [(exp.rows(part),) for part in parts])
-        out = torch.zeros_like(exp.mask)
-        for part, values in zip(parts, results):
-            out[part, : values.shape[1]] = values
-        return out * exp.mask
+        """(B, R) from a frozen role: every worker gets the whole batch and computes its share of the
+        rows (a collective: under ZeRO-3 the weights are partitioned over the workers)."""
+        return group.call(method, exp)[0]
 
     def score(self, sequences: list[list[int]]) -> torch.Tensor:
-        parts = shards(len(sequences), len(self.reward.workers))
-        return torch.cat(self.reward.call_each("score", [([sequences[i] for i in part],) for part in parts]))
+        return self.reward.call("score", sequences)[0]
 
     def sync_weights(self) -> None:
         """The actor's full weights to every rollout worker, through the object store."""
@@ -160,34 +203,15 @@ class Roles:
         release(self.slots)
 
 
-class Scorer:
-    """One reward per sampled response: the reward function or the reward model, plus the overlong penalty."""
-
-    def __init__(self, rl: RLConfig, tokenizer, function: FunctionReward | None):
-        self.rl, self.tokenizer, self.function, self.roles = rl, tokenizer, function, None
-
-    def __call__(self, rows: list[PromptRow], rollouts: list[Rollout]) -> torch.Tensor:
-        per_sample = [rows[i // (len(rollouts) // len(rows))] for i in range(len(rollouts))]
-        if self.function is not None:
-            completions = [self.tokenizer.decode(r.response_ids, skip_special_tokens=True) for r in rollouts]
-            scores = self.function([p.text for p in per_sample], completions, [r.prompt_ids for r in rollouts],
-                                   [r.response_ids for r in rollouts], columns_of(per_sample))
-        else:
-            scores = self.roles.score([r.prompt_ids + r.response_ids for r in rollouts])
-        reward = self.rl.reward
-        lengths = torch.tensor([len(r.response_ids) for r in rollouts])
-        return scores + overlong_penalty(lengths, self.rl.generation.max_new_tokens, reward.overlong_buffer, reward.overlong_penalty)
-
-
 class Loop:
     """One RL step at a time (see the module docstring), and the held-out evaluation."""
 
-    def __init__(self, rl: RLConfig, train: list[PromptRow], held: list[PromptRow], tokenizer, roles: Roles, scorer: Scorer):
-        self.rl, self.train, self.held, self.tokenizer, self.roles, self.scorer = rl, train, held, tokenizer, roles, scorer
+    def __init__(self, rl: RLConfig, train: list[PromptRow], held: list[PromptRow], tokenizer, roles: Roles, executor: Executor):
+        self.rl, self.train, self.held, self.tokenizer, self.roles, self.executor = rl, train, held, tokenizer, roles, executor
         self.kl_coef = rl.kl.coef
 
-    def sample(self, step: int) -> tuple[list[PromptRow], list[Rollout], torch.Tensor, dict[str, float]]:
-        """Prompts, their n responses each, and the scores; with dynamic sampling, groups whose rewards
+    def sample(self, step: int) -> tuple[list[PromptRow], Episodes, dict[str, float]]:
+        """Prompts and their n scored samples each; with dynamic sampling, groups whose rewards
         are all equal are replaced by new prompts, up to max_sampling_rounds rounds."""
         rl, n, p = self.rl, self.rl.generation.n_samples_per_prompt, self.rl.rollout.prompts_per_step
         kept, dropped, first_kept, rounds = [], [], None, 0
@@ -198,24 +222,24 @@ class Loop:
             rows = [self.train[i] for i in picks]
             params = SamplingParams(rl.generation.max_new_tokens, rl.generation.temperature, rl.generation.top_p,
                                     rl.generation.top_k, n, seed=rl.batch.seed * 1_000_003 + step * 101 + round_)
-            rollouts = self.roles.generate([r.ids for r in rows], params)
-            scores = self.scorer(rows, rollouts)
+            episodes = self.executor.run(rows, params)
             for g, row in enumerate(rows):
-                group = (row, rollouts[g * n:(g + 1) * n], scores[g * n:(g + 1) * n])
-                informative = not rl.rollout.dynamic_sampling or bool(group[2].std() > 0)
+                group = (row, episodes.group(g, n))
+                informative = not rl.rollout.dynamic_sampling or bool(group[1].scores.std() > 0)
                 (kept if informative else dropped).append(group)
             first_kept = first_kept if first_kept is not None else len(kept) / p
             if len(kept) >= p:
                 break
         groups = (kept + dropped)[:p]  # after the last round, uninformative groups fill the batch
         info = {"sampling_rounds": rounds, **({"dynamic_sampling/kept_fraction": first_kept} if rl.rollout.dynamic_sampling else {})}
-        return ([g[0] for g in groups], [r for g in groups for r in g[1]], torch.cat([g[2] for g in groups]), info)
+        return [g[0] for g in groups], Episodes.cat([g[1] for g in groups]), info
 
     def step(self, step: int) -> dict[str, float]:
         rl, roles, clock = self.rl, self.roles, Clock()
-        rows, rollouts, scores, info = self.sample(step)
+        rows, episodes, info = self.sample(step)
+        scores = episodes.scores
         clock.lap("generate_and_score")
-        exp = Experience.from_rollouts(rollouts, self.tokenizer.pad_token_id)
+        exp = Experience.from_rollouts(episodes.rollouts, self.tokenizer.pad_token_id)
         old_logp = roles.actor.call("logprobs", exp)[0]
         ref_logp = roles.per_row(roles.reference, "logprobs", exp) if roles.reference else None
         values = roles.critic.call("values", exp)[0] if roles.critic else None
@@ -224,23 +248,26 @@ class Loop:
         penalty = self.kl_coef * kl if kl is not None and rl.kl.placement == "reward" else None
         adv, returns = advantages(rl.advantage.estimator, scores, exp.mask, n=rl.generation.n_samples_per_prompt,
                                   gamma=rl.advantage.gamma, lam=rl.advantage.lam, kl=penalty, values=values)
+        roles.before_training()
         metrics = roles.actor.call("train", exp, old_logp, adv, ref_logp, self.kl_coef, step)[0]
         if roles.critic:
             metrics.update(roles.critic.call("train", exp, values, returns, step)[0])
+        roles.after_training()
         clock.lap("train")
         roles.sync_weights()
         clock.lap("sync")
         kl_mean = float((kl.sum() / exp.mask.sum()) if kl is not None else 0.0)
         # Generator vs trainer log-probs of the same tokens: ~0 with the HF backend (same kernels).
         metrics["logprob_mismatch"] = float(((exp.sampled_logp - old_logp).abs() * exp.mask).sum() / exp.mask.sum())
-        metrics.update(self.rollout_metrics(scores, rollouts, exp, clock), kl=kl_mean, kl_coef=self.kl_coef, **info)
+        metrics.update(self.rollout_metrics(episodes, exp, clock), kl=kl_mean, kl_coef=self.kl_coef, **info)
         if rl.kl.target is not None and kl is not None:  # Ziegler et al. 2019: adapt β toward the target KL per sequence
             self.kl_coef = adaptive_kl_coef(self.kl_coef, float(kl.sum(-1).mean()), rl.kl.target, rl.kl.horizon, len(exp))
         return metrics
 
-    def rollout_metrics(self, scores: torch.Tensor, rollouts: list[Rollout], exp: Experience, clock: "Clock") -> dict[str, float]:
-        generated = float(exp.mask.sum())
+    def rollout_metrics(self, episodes: Episodes, exp: Experience, clock: "Clock") -> dict[str, float]:
+        generated, scores, rollouts = float(exp.mask.sum()), episodes.scores, episodes.rollouts  # mask: policy tokens only
         return {"reward/mean": float(scores.mean()), "reward/std": float(scores.std()) if len(scores) > 1 else 0.0,
+                **{k: float(v.mean()) for k, v in episodes.stats.items()},  # multi-turn: turns, success
                 "response_length": generated / len(rollouts),
                 "finished_fraction": sum(r.finish_reason == "stop" for r in rollouts) / len(rollouts),
                 "gen_tokens_per_s": generated / max(clock.times["generate_and_score"], 1e-9),
@@ -248,14 +275,14 @@ class Loop:
                 **{f"phase/{k}_s": v for k, v in clock.times.items()}}  # per step; `time/*` is the whole stage
 
     def evaluate(self) -> dict[str, float]:
-        """Greedy responses to the held-out prompts, scored by the reward source (for an exact-match
-        reward function, the mean is the accuracy)."""
+        """Greedy responses (or episodes) for the held-out prompts, scored by the reward source (for an
+        exact-match reward function, the mean is the accuracy; for an environment, also `eval/success`)."""
         if not self.held:
             return {}
-        rollouts = self.roles.generate([r.ids for r in self.held], SamplingParams(self.rl.generation.max_new_tokens, temperature=0))
-        scores = self.scorer(self.held, rollouts)
-        return {"eval/reward": float(scores.mean()),
-                "eval/response_length": sum(len(r.response_ids) for r in rollouts) / len(rollouts)}
+        episodes = self.executor.run(self.held, SamplingParams(self.rl.generation.max_new_tokens, temperature=0))
+        rollouts = episodes.rollouts
+        return {"eval/reward": float(episodes.scores.mean()), **{f"eval/{k}": float(v.mean()) for k, v in episodes.stats.items()},
+                "eval/response_length": sum(action_tokens(r) for r in rollouts) / len(rollouts)}
 
 
 class Clock:

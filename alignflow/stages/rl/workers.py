@@ -4,12 +4,15 @@
 
 Trained roles hold a DeepSpeed engine across their workers and see the whole step's
 experience; each worker takes its micro-batches of each optimizer step (as in the other
-stages), so a step's update does not depend on the number of workers. Frozen roles get
-shards of rows from the driver.
+stages), so a step's update does not depend on the number of workers. Frozen roles
+(reference, reward model) get the whole batch too and each worker computes its share of the
+rows; under ZeRO-3 their weights are partitioned over the group like the trained roles'.
+Either way the rows form the same micro-batches for any number of workers.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import numpy as np
@@ -22,10 +25,29 @@ from alignflow.stages.common.data import rank_micro_batches
 from alignflow.stages.common.generation import HFGenerator, Rollout, SamplingParams
 from alignflow.stages.common.models import load_causal_lm, load_reward_model, load_tokenizer
 from alignflow.stages.common.rowwise import all_rows
+from alignflow.stages.common.strategy import THREADS_ENV
 from alignflow.stages.common.workers import Worker
 from alignflow.stages.rl.experience import Experience, response_logprobs, response_values
 from alignflow.stages.rl.kl import kl_per_token
-from alignflow.stages.rl.losses import aggregate, policy_loss, value_loss
+from alignflow.stages.rl.losses import aggregate, policy_loss, truncated_is_weight, value_loss
+
+
+KILL_ENGINE_ENV = "ALIGNFLOW_KILL_ENGINE_AT_CALL"  # tests: rollout worker 0 exits during its Nth generate call
+
+
+def per_row(strategy, micro: int, exp: Experience, forward) -> torch.Tensor:
+    """(B, R) values of every row, computed in micro-batches split over the group (a collective:
+    every worker of the role calls it with the whole batch, and every worker gets all rows)."""
+    values = all_rows(strategy, exp.lengths, micro, lambda rows: {"v": forward(exp.rows(rows).to(strategy.device))},
+                      width=exp.mask.shape[1])
+    return values["v"] * exp.mask
+
+
+def frozen_strategy(rl: RLConfig):
+    """The training seam for a forward-only role: process group and, under ZeRO-3, partitioned weights."""
+    from alignflow.stages.common.strategy import Strategy
+
+    return Strategy(rl.deepspeed, rl.batch, None)
 
 
 def optimizer_batches(n: int, global_batch: int, seed: int, step: int, epoch: int) -> list[list[int]]:
@@ -49,13 +71,6 @@ class TrainedRole(Worker):
         self.strategy.prepare(model, total_steps)
         self.checkpoints = Checkpointer(self.strategy, stage_uri, rl.checkpoint.keep_last, staging_dir(key), role=self.role)
         return model
-
-    def _per_row(self, exp: Experience, name: str, forward) -> torch.Tensor:
-        """(B, R) values of every row, computed in micro-batches split over the group."""
-        width = exp.mask.shape[1]
-        values = all_rows(self.strategy, exp.lengths, self.rl.batch.micro_batch_size,
-                          lambda rows: {name: forward(exp.rows(rows).to(self.strategy.device))}, width=width)
-        return values[name] * exp.mask
 
     def _train(self, exp: Experience, step: int, micro_loss) -> dict[str, float]:
         """One pass per policy epoch over the rollout batch, one optimizer step per global batch.
@@ -102,7 +117,8 @@ class ActorWorker(TrainedRole):
 
     def logprobs(self, exp: Experience) -> torch.Tensor:
         temperature = self.rl.generation.temperature
-        return self._per_row(exp, "logp", lambda sub: response_logprobs(self.strategy.engine, sub, temperature)[0])
+        return per_row(self.strategy, self.rl.batch.micro_batch_size, exp,
+                       lambda sub: response_logprobs(self.strategy.engine, sub, temperature)[0])
 
     def train(self, exp: Experience, old_logp: torch.Tensor, advantages: torch.Tensor, ref_logp: torch.Tensor | None,
               kl_coef: float, step: int) -> dict[str, float]:
@@ -112,8 +128,11 @@ class ActorWorker(TrainedRole):
         def micro_loss(sub: Experience, rows: list[int], num_tokens: float, num_sequences: float):
             r = sub.mask.shape[1]
             logp, entropy = response_logprobs(self.strategy.engine, sub, rl.generation.temperature, with_entropy=True)
-            loss, m = policy_loss(logp, old_logp[rows, :r], advantages[rows, :r], sub.mask, rl.policy.clip_low, rl.policy.clip_high,
-                                  rl.policy.dual_clip, rl.policy.aggregation, num_tokens, num_sequences)
+            old = old_logp[rows, :r].to(logp.device)
+            cap = rl.generation.importance_cap
+            weight = truncated_is_weight(old, sub.sampled_logp, sub.mask, cap) if cap is not None else None
+            loss, m = policy_loss(logp, old, advantages[rows, :r], sub.mask, rl.policy.clip_low, rl.policy.clip_high,
+                                  rl.policy.dual_clip, rl.policy.aggregation, num_tokens, num_sequences, weight)
             tokens = sub.mask.sum()
             parts = {"policy_loss": loss.detach(), "clip_tokens": m["clip_frac"] * tokens, "tokens": tokens,
                      "entropy_sum": (entropy.detach() * sub.mask).sum(), "approx_kl_sum": m["approx_kl"] * tokens}
@@ -135,7 +154,13 @@ class ActorWorker(TrainedRole):
 
     def weights(self) -> dict[str, torch.Tensor] | None:
         """Full weights on rank 0 (gathered under ZeRO-3; every rank must call)."""
-        return self.strategy.full_state_dict()
+        state = self.strategy.full_state_dict()
+        if state is not None:  # a tied weight under each of its names: engines load by name (vLLM's lm_head)
+            first: dict[int, str] = {}
+            for name, param in self.strategy.unwrap().named_parameters(remove_duplicate=False):
+                if first.setdefault(id(param), name) != name:
+                    state.setdefault(name, state[first[id(param)]])
+        return state
 
     def save_model(self, model_uri: str, key: str) -> None:
         """The HF folder of the policy: written in place when storage is local, else staged and uploaded."""
@@ -157,7 +182,8 @@ class CriticWorker(TrainedRole):
         self.head = model.score
 
     def values(self, exp: Experience) -> torch.Tensor:
-        return self._per_row(exp, "value", lambda sub: response_values(self.strategy.engine, self.head, sub))
+        return per_row(self.strategy, self.rl.batch.micro_batch_size, exp,
+                       lambda sub: response_values(self.strategy.engine, self.head, sub))
 
     def train(self, exp: Experience, old_values: torch.Tensor, returns: torch.Tensor, step: int) -> dict[str, float]:
         clip = self.rl.critic.value_clip
@@ -176,37 +202,64 @@ class CriticWorker(TrainedRole):
 
 class ReferenceWorker(Worker):
     def setup(self, rl: RLConfig, model_path: str) -> None:
-        self.rl = rl
-        self.model = load_causal_lm(model_path, rl.model).eval()
+        self.rl, self.strategy = rl, frozen_strategy(rl)
+        with self.strategy.model_init():  # under ZeRO-3 the weights are partitioned as they load
+            model = load_causal_lm(model_path, rl.model)
+        self.strategy.prepare_frozen(model)
 
-    @torch.no_grad()
     def logprobs(self, exp: Experience) -> torch.Tensor:
-        micro, out = self.rl.batch.micro_batch_size, torch.zeros_like(exp.mask)
-        for k in range(0, len(exp), micro):
-            rows = list(range(k, min(k + micro, len(exp))))
-            sub = exp.rows(rows)
-            out[rows, : sub.mask.shape[1]] = response_logprobs(self.model, sub, self.rl.generation.temperature)[0]
-        return out * exp.mask
+        temperature = self.rl.generation.temperature
+        return per_row(self.strategy, self.rl.batch.micro_batch_size, exp,
+                       lambda sub: response_logprobs(self.strategy.engine, sub, temperature)[0])
 
 
 class RewardModelWorker(Worker):
-    def setup(self, model_path: str, normalize: bool, batch_size: int) -> None:
+    def setup(self, rl: RLConfig, model_path: str) -> None:
         from alignflow.stages.rm.scoring import RewardScorer
 
-        self.scorer = RewardScorer(model_path, normalize=normalize, batch_size=batch_size)
+        self.strategy = frozen_strategy(rl)
+        with self.strategy.model_init():
+            self.scorer = RewardScorer(model_path, self.strategy.device, rl.model.dtype, rl.reward.normalize, rl.generation.batch_size)
+        self.strategy.prepare_frozen(self.scorer.model)  # the scorer runs the module; under ZeRO-3 its hooks gather weights
 
     def score(self, sequences: list[list[int]]) -> torch.Tensor:
-        return self.scorer.score_ids(sequences)
+        """(N,) scores of all sequences (a collective, like `per_row`): one scorer batch per forward."""
+        return all_rows(self.strategy, [len(s) for s in sequences], self.scorer.batch_size,
+                        lambda rows: {"score": self.scorer.score_ids([sequences[i] for i in rows])})["score"]
 
 
 class RolloutWorker(Worker):
-    def setup(self, rl: RLConfig, model_path: str) -> None:
+    """A rollout engine: `hf` (a local copy of the policy) or `vllm` (one vllm.LLM)."""
+
+    def setup(self, rl: RLConfig, model_path: str, max_model_len: int, kill_at_call: str | None = None) -> None:
+        gen = rl.generation
         tokenizer = load_tokenizer(model_path)
-        self.generator = HFGenerator(load_causal_lm(model_path, rl.model), tokenizer.eos_token_id, tokenizer.pad_token_id,
-                                     rl.generation.batch_size)
+        self.calls, self.kill_at_call = 0, kill_at_call
+        if gen.engine == "vllm":
+            from alignflow.stages.common.vllm_engine import VLLMGenerator
+
+            self.generator = VLLMGenerator(model_path, tokenizer.eos_token_id, seed=rl.batch.seed + self.rank,
+                                           max_model_len=max_model_len, tensor_parallel_size=gen.tensor_parallel_size,
+                                           gpu_memory_utilization=gen.gpu_memory_utilization, sleep=gen.sleep,
+                                           threads=int(os.environ.get(THREADS_ENV, "1")))
+        else:
+            self.generator = HFGenerator(load_causal_lm(model_path, rl.model), tokenizer.eos_token_id, tokenizer.pad_token_id,
+                                         gen.batch_size)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Rollout]:
+        self.calls += 1
+        if self.kill_at_call == str(self.calls):  # fault injection (tests): the engine dies mid-rollout
+            os._exit(17)
         return self.generator.generate(prompts, params)
+
+    def score(self, sequences: list[list[int]]) -> list[list[float]]:
+        return self.generator.score(sequences)
 
     def load_weights(self, state: dict[str, torch.Tensor]) -> None:
         self.generator.load_weights(state)
+
+    def sleep(self) -> None:
+        self.generator.sleep()
+
+    def wake_up(self) -> None:
+        self.generator.wake_up()
