@@ -105,3 +105,15 @@ def test_shipped_reward_and_overlong_penalty():
 
     penalty = overlong_penalty(torch.tensor([4, 6, 8]), max_new_tokens=8, buffer=4, penalty=1.0)
     assert penalty.tolist() == [0.0, -0.5, -1.0] and math.isclose(float(overlong_penalty(torch.tensor([8]), 8, 0, 1.0)), 0.0)
+
+
+def test_rl_steps_count_prompts_per_step():
+    from alignflow.stages.common.run import total_steps
+
+    rl = load_config(ROOT / "configs" / "tiny.yaml", ["pipeline=grpo", "rl.batch.max_steps=null", "rl.batch.epochs=2"]).rl
+    per_step = ("rollout.prompts_per_step", rl.rollout.prompts_per_step)  # 16
+    assert total_steps(100, rl, "prompts", per_step) == 6 * 2
+    capped = load_config(ROOT / "configs" / "tiny.yaml", ["pipeline=grpo", "rl.batch.max_steps=5"]).rl
+    assert total_steps(100, capped, "prompts", per_step) == 5
+    with pytest.raises(DataError, match="10 training prompts are fewer than rollout.prompts_per_step=16"):
+        total_steps(10, rl, "prompts", per_step)

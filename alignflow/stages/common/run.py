@@ -31,11 +31,13 @@ class InjectedFailure(RuntimeError):
     """Raised at the step named by ALIGNFLOW_FAIL_AT_STEP, to test resume for real."""
 
 
-def total_steps(num_train: int, section, unit: str = "rows") -> int:
-    per_epoch = steps_per_epoch(num_train, section.batch.global_batch_size)
+def total_steps(num_train: int, section, unit: str = "rows", per_step: tuple[str, int] | None = None) -> int:
+    """Steps of the run: epochs x steps per epoch, capped by batch.max_steps. A step takes
+    batch.global_batch_size items, or `per_step` = (its config name, count) (RL: prompts per step)."""
+    name, size = per_step or ("batch.global_batch_size", section.batch.global_batch_size)
+    per_epoch = steps_per_epoch(num_train, size)
     if per_epoch == 0:
-        raise DataError(f"{num_train} training {unit} are fewer than batch.global_batch_size="
-                        f"{section.batch.global_batch_size}: not one optimizer step")
+        raise DataError(f"{num_train} training {unit} are fewer than {name}={size}: not one step")
     steps = per_epoch * section.batch.epochs
     return min(steps, section.batch.max_steps) if section.batch.max_steps else steps
 

@@ -28,11 +28,11 @@ import torch
 
 from alignflow.config import ConfigError, PipelineConfig, RLConfig, Stage
 from alignflow.infra import manifest, storage
-from alignflow.stages.common.data import DataError, global_batch
+from alignflow.stages.common.data import global_batch
 from alignflow.stages.common.generation import Rollout, SamplingParams
 from alignflow.stages.common.models import fetch_published_model, load_tokenizer
 from alignflow.stages.common.publish import finish_publish, publish_dir
-from alignflow.stages.common.run import TrainingRun
+from alignflow.stages.common.run import TrainingRun, total_steps
 from alignflow.stages.common.workers import WorkerGroup, connect_ray, plan_slots, release
 from alignflow.stages.rl.advantages import advantages
 from alignflow.stages.rl.data import PromptRow, load_prompts
@@ -65,7 +65,7 @@ def main(cfg: PipelineConfig, output_uri: str | None = None, inputs: dict[str, s
     # Reward sources load before any worker starts, so a broken file fails fast.
     function = FunctionReward(rl.reward.function) if rl.reward.function else None
     environment = load_environment(rl.environment.path) if rl.environment else None
-    steps = rl_steps(len(train), rl)
+    steps = total_steps(len(train), rl, "prompts", ("rollout.prompts_per_step", rl.rollout.prompts_per_step))
     disconnect = connect_ray()
     roles = None
     try:
@@ -101,14 +101,6 @@ def make_executor(rl: RLConfig, tokenizer, roles: "Roles", function: FunctionRew
     if environment is not None:
         return MultiTurn(roles.generate, environment, rl.environment.path, tokenizer, rl.environment.max_turns, penalty)
     return SingleTurn(roles.generate, Scorer(tokenizer, function, roles.score if roles.reward else None, penalty))
-
-
-def rl_steps(num_prompts: int, rl: RLConfig) -> int:
-    per_epoch = num_prompts // rl.rollout.prompts_per_step
-    if per_epoch == 0:
-        raise DataError(f"{num_prompts} training prompts are fewer than rollout.prompts_per_step={rl.rollout.prompts_per_step}")
-    steps = per_epoch * rl.batch.epochs
-    return min(steps, rl.batch.max_steps) if rl.batch.max_steps else steps
 
 
 def shards(n: int, k: int) -> list[list[int]]:

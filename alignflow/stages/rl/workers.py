@@ -76,13 +76,13 @@ class TrainedRole(Worker):
         """One pass per policy epoch over the rollout batch, one optimizer step per global batch.
         `micro_loss(sub, rows, num_tokens, num_sequences)` returns this micro-batch's share of the
         step loss and a dict of sums for the metrics."""
-        rl, s = self.rl, self.strategy
+        rl, s, lengths = self.rl, self.strategy, exp.lengths
         sums: dict[str, float] = {}
         norms = []
         for epoch in range(rl.policy.epochs):
             for rows in optimizer_batches(len(exp), rl.batch.global_batch_size, rl.batch.seed, step, epoch):
                 num_tokens = float(exp.mask[rows].sum().clamp(min=1))
-                for micro in rank_micro_batches(rows, exp.lengths, rl.batch.micro_batch_size, s.world_size, s.rank):
+                for micro in rank_micro_batches(rows, lengths, rl.batch.micro_batch_size, s.world_size, s.rank):
                     loss, parts = micro_loss(exp.rows(micro).to(s.device), micro, num_tokens, float(len(rows)))
                     s.backward(loss)
                     s.step()
