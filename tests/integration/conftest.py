@@ -56,3 +56,21 @@ def tiny_rm(tiny_sft):
     with contextlib.chdir(ROOT):
         cfg = load_config(ROOT / "configs" / "tiny.yaml", [f"storage.root={sft_cfg.storage.root}", *QUIET, "pipeline=full", "stop_after=rm"])
         return cfg, main(cfg)
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    """One private Ray instance per test module (the RL modules use it): each stage run starts its own
+    worker groups in it."""
+    from alignflow.stages.common.workers import connect_ray
+
+    disconnect = connect_ray()
+    yield
+    disconnect()
+
+
+def history(stage_uri: str) -> list[dict]:
+    """The per-step records of a published stage's metrics.json."""
+    import json
+
+    return json.loads((Path(stage_uri) / "metrics.json").read_text())["history"]

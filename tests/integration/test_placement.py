@@ -18,7 +18,7 @@ import pytest
 
 from alignflow.stages.common.workers import Worker
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("ray_session")]
 
 ROLES = {"actor": 2, "critic": 2, "reference": 2, "reward": 2, "rollout": 1}  # one rollout engine, as the tiny configs run
 CPUS_PER_BUNDLE = 0.2  # `none` needs 9 bundles: 1.8 of the 2 CPUs
@@ -31,15 +31,6 @@ class Probe(Worker):
         ctx = ray.get_runtime_context()
         return {"actor_id": ctx.get_actor_id(), "placement_group": ctx.get_placement_group_id(), "node": ctx.get_node_id(),
                 "cpus": ctx.get_assigned_resources().get("CPU", 0.0)}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def ray_session():
-    from alignflow.stages.common.workers import connect_ray
-
-    disconnect = connect_ray()
-    yield
-    disconnect()
 
 
 def ray_actor_table() -> dict[str, dict]:

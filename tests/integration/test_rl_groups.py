@@ -22,7 +22,7 @@ from alignflow.stages.rl.workers import ReferenceWorker
 
 from .conftest import QUIET, ROOT, weights
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("ray_session")]
 
 STEPS = 3
 # Same global batch for both runs: 8 prompts x 4 samples = 32 responses per RL step, two optimizer
@@ -34,15 +34,6 @@ PPO = ["pipeline=full", f"rl.batch.max_steps={STEPS}", "rl.rollout.prompts_per_s
 # ZeRO-3 shards, gradients reduced over 2 ranks) move them by ~1e-7 relative here.
 COMPARED = ["policy_loss", "value_loss", "reward/mean", "kl", "entropy", "grad_norm", "critic_grad_norm"]
 REL, ABS = 1e-4, 1e-6
-
-
-@pytest.fixture(scope="module", autouse=True)
-def ray_session():
-    from alignflow.stages.common.workers import connect_ray
-
-    disconnect = connect_ray()
-    yield
-    disconnect()
 
 
 @pytest.fixture(scope="module")

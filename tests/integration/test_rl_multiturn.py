@@ -4,8 +4,6 @@ trains on multi-turn episodes (the executor is independent of the algorithm)."""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -13,25 +11,13 @@ import torch
 from alignflow.config import load_config
 from alignflow.stages.rl.stage import main
 
-from .conftest import QUIET, ROOT
+from .conftest import QUIET, ROOT, history
+
+pytestmark = pytest.mark.usefixtures("ray_session")  # one private Ray for the module
 
 
 def config(root, *overrides):
     return load_config(ROOT / "configs" / "tiny-multiturn.yaml", [f"storage.root={root}", *QUIET, *overrides])
-
-
-def history(uri: str) -> list[dict]:
-    return json.loads((Path(uri) / "metrics.json").read_text())["history"]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def ray_session():
-    """One private Ray instance for the module: each stage run starts its own worker groups in it."""
-    from alignflow.stages.common.workers import connect_ray
-
-    disconnect = connect_ray()
-    yield
-    disconnect()
 
 
 def test_multiturn_grpo_raises_the_success_rate(tiny_sft, tmp_path):

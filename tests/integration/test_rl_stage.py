@@ -4,8 +4,6 @@ resumes exactly, and bad input stops it."""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,25 +13,13 @@ from alignflow.stages.common.run import FAIL_AT_STEP_ENV, InjectedFailure
 from alignflow.stages.rl.rewards import RewardError
 from alignflow.stages.rl.stage import main
 
-from .conftest import QUIET, ROOT, weights
+from .conftest import QUIET, ROOT, history, weights
+
+pytestmark = pytest.mark.usefixtures("ray_session")  # one private Ray for the module
 
 
 def config(root, *overrides, file="tiny.yaml"):
     return load_config(ROOT / "configs" / file, [f"storage.root={root}", *QUIET, "pipeline=grpo", *overrides])
-
-
-def history(uri: str) -> list[dict]:
-    return json.loads((Path(uri) / "metrics.json").read_text())["history"]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def ray_session():
-    """One private Ray instance for the module: each stage run starts its own worker groups in it."""
-    from alignflow.stages.common.workers import connect_ray
-
-    disconnect = connect_ray()
-    yield
-    disconnect()
 
 
 def test_grpo_raises_held_out_accuracy(tiny_sft, tmp_path):

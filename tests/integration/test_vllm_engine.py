@@ -7,7 +7,6 @@ missing engine is a failure (the install step must not go silently wrong)."""
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 from pathlib import Path
 
@@ -18,7 +17,7 @@ from alignflow.config import load_config
 from alignflow.stages.common.generation import SamplingParams
 from alignflow.stages.common.models import load_causal_lm, load_tokenizer
 
-from .conftest import QUIET, ROOT
+from .conftest import QUIET, ROOT, history
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 pytestmark = [pytest.mark.integration,
@@ -31,15 +30,6 @@ LOGPROB_ATOL = 2e-4
 def rl_config(root, *overrides):
     return load_config(ROOT / "configs" / "tiny.yaml",
                        [f"storage.root={root}", *QUIET, "pipeline=grpo", "rl.generation.engine=vllm", *overrides])
-
-
-@pytest.fixture(scope="module")
-def ray_session():
-    from alignflow.stages.common.workers import connect_ray
-
-    disconnect = connect_ray()
-    yield
-    disconnect()
 
 
 @pytest.fixture(scope="module")
@@ -139,7 +129,7 @@ def test_grpo_on_vllm_learns_like_hf_and_keeps_engine_and_trainer_in_step(tiny_s
     _, sft = tiny_sft
     result = main(rl_config(tmp_path, "rl.generation.importance_cap=2.0"), None, {"sft": sft["uri"]})
     m = result["metrics"]
-    steps = [r for r in json.loads((Path(result["uri"]) / "metrics.json").read_text())["history"] if "reward/mean" in r]
+    steps = [r for r in history(result["uri"]) if "reward/mean" in r]
     first, last = sum(r["reward/mean"] for r in steps[:10]) / 10, sum(r["reward/mean"] for r in steps[-10:]) / 10
     mismatch = max(r["logprob_mismatch"] for r in steps)
     print(f"\nvllm grpo: held-out greedy accuracy {m['eval/reward_initial']:.3f} -> {m['eval/reward']:.3f}; training reward "
@@ -162,5 +152,5 @@ def test_engine_death_fails_the_step_and_the_retry_resumes(tiny_sft, ray_session
         main(cfg, None, {"sft": sft["uri"]})
     monkeypatch.delenv(KILL_ENGINE_ENV)
     result = main(cfg, None, {"sft": sft["uri"]})
-    steps = [r["step"] for r in json.loads((Path(result["uri"]) / "metrics.json").read_text())["history"] if "reward/mean" in r]
+    steps = [r["step"] for r in history(result["uri"]) if "reward/mean" in r]
     assert result["resumed_from_step"] == 2 and steps[-1] == 4
