@@ -41,7 +41,8 @@ def engine(tiny_sft, ray_session):
 
     cfg, sft = tiny_sft
     path = str(Path(sft["uri"]) / "model")
-    worker = ray.remote(RolloutWorker).options(num_cpus=1).remote(0, 1, 2)
+    # No CPU reserved: the module's stage runs need the whole 2-CPU cluster for their bundles while this lives.
+    worker = ray.remote(RolloutWorker).options(num_cpus=0).remote(0, 1, 2)
     ray.get(worker.setup.remote(rl_config(cfg.storage.root).rl, path, None))
     yield worker, path
     ray.kill(worker)
