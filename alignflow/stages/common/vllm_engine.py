@@ -87,7 +87,6 @@ class VLLMGenerator:
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], per_prompt, use_tqdm=False)
         return [_rollout(out.prompt_token_ids, sample) for out in outputs for sample in sorted(out.outputs, key=lambda s: s.index)]
 
-    @torch.no_grad()
     def score(self, sequences: list[list[int]]) -> list[list[float]]:
         """Log-prob of each token of each sequence given the tokens before it (the first token has
         none): the engine's view of fixed sequences, for checking a weight update."""

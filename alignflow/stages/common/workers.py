@@ -155,6 +155,8 @@ class WorkerGroup:
     def call(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         import ray
 
+        if len(self.workers) > 1:  # one copy in the object store for all workers, not one per call
+            args = tuple(a if isinstance(a, ray.ObjectRef) else ray.put(a) for a in args)
         return ray.get([getattr(w, method).remote(*args, **kwargs) for w in self.workers])
 
     def call_each(self, method: str, per_worker: list[tuple]) -> list[Any]:

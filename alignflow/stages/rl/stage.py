@@ -173,11 +173,6 @@ class Roles:
         if self.rl.generation.sleep:
             self.rollout.call("wake_up")
 
-    def per_row(self, group: WorkerGroup, method: str, exp: Experience) -> torch.Tensor:
-        """(B, R) from a frozen role: every worker gets the whole batch and computes its share of the
-        rows (a collective: under ZeRO-3 the weights are partitioned over the workers)."""
-        return group.call(method, exp)[0]
-
     def score(self, sequences: list[list[int]]) -> torch.Tensor:
         return self.reward.call("score", sequences)[0]
 
@@ -234,7 +229,7 @@ class Loop:
         clock.lap("generate_and_score")
         exp = Experience.from_rollouts(episodes.rollouts, self.tokenizer.pad_token_id)
         old_logp = roles.actor.call("logprobs", exp)[0]
-        ref_logp = roles.per_row(roles.reference, "logprobs", exp) if roles.reference else None
+        ref_logp = roles.reference.call("logprobs", exp)[0] if roles.reference else None  # every worker: its share of rows
         values = roles.critic.call("values", exp)[0] if roles.critic else None
         clock.lap("inference")
         kl = kl_per_token(old_logp, ref_logp, rl.kl.estimator) * exp.mask if ref_logp is not None else None
