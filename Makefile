@@ -24,7 +24,7 @@ install: $(STAMP)
 install-vllm: $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/alignflow run configs/tiny-ppo.yaml
+	$(VENV)/bin/alignflow run configs/tiny-tulu3.yaml
 
 test: $(STAMP)
 	$(PY) -m pytest -q

@@ -12,9 +12,11 @@ from typing import Annotated, Optional
 
 import typer
 
-from alignflow.config import ConfigError, Stage, dump_config, load_config
+from alignflow.config import ConfigError, dump_config, load_config
+from alignflow.exit_codes import BAD_INPUT
 
-app = typer.Typer(no_args_is_help=True, add_completion=False, help="alignflow: end-to-end LLM alignment pipelines.")
+app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_show_locals=False,
+                  help="alignflow: end-to-end LLM alignment pipelines.")
 config_app = typer.Typer(no_args_is_help=True, help="Inspect configs.")
 app.add_typer(config_app, name="config")
 
@@ -27,28 +29,31 @@ def _load(config: Path, overrides: list[str] | None):
         return load_config(config, overrides or [])
     except ConfigError as exc:
         typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(2) from None
+        raise typer.Exit(BAD_INPUT) from None
 
 
 # What the run summary shows of each stage (those it has): held-out figures first.
-SUMMARY_METRICS = ("eval/loss_initial", "eval/loss", "eval/accuracy", "eval/rewards/accuracy", "eval/rewards/margin",
+SUMMARY_METRICS = ("eval/loss_initial", "eval/loss", "eval/accuracy", "eval/nll", "eval/pairwise_accuracy", "eval/rewards/accuracy", "eval/rewards/margin",
                    "eval/reward_initial", "eval/reward", "reward/mean", "kl")
 
 
 @app.command()
 def stage(
-    name: Annotated[Stage, typer.Argument(help="stage to run")],
+    name: Annotated[str, typer.Argument(help="the stage's name in the config")],
     config: ConfigOpt,
     overrides: SetOpt = None,
     output: Annotated[Optional[str], typer.Option(help="publish here instead of the cache-keyed stage folder")] = None,
-    input: Annotated[Optional[list[str]], typer.Option("--input", help="STAGE=URI: a published upstream output to start "
-                                                       "from (default: found from the config)")] = None,
+    input: Annotated[Optional[list[str]], typer.Option("--input", help="ROLE=URI: a published upstream output (roles: from, "
+                                                       "reward_model, model:<stage>; default: found from the config)")] = None,
     nproc: Annotated[int, typer.Option(help="worker processes on this machine (torchrun)")] = 1,
     summary_json: Annotated[Optional[Path], typer.Option(help="write the stage summary as JSON here")] = None,
 ) -> None:
     """Run one stage by hand, exactly as it runs inside a Ray job."""
-    _load(config, overrides)  # fail on a bad config before any process starts
-    args = ["--config", str(config), *[a for o in overrides or [] for a in ("--set", o)]]
+    cfg = _load(config, overrides)  # fail on a bad config before any process starts
+    if name not in cfg.stages:
+        typer.echo(f"error: no stage named {name!r} in {config} (stages: {', '.join(cfg.stages)})", err=True)
+        raise typer.Exit(BAD_INPUT)
+    args = ["--config", str(config), "--stage", name, *[a for o in overrides or [] for a in ("--set", o)]]
     args += ["--output", output] if output else []
     args += [a for item in input or [] for a in ("--input", item)]
     args += ["--summary-json", str(summary_json)] if summary_json else []
@@ -56,14 +61,11 @@ def stage(
         torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or "torchrun"
         from alignflow.infra.ports import free_port
 
-        cmd = [torchrun, f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1", f"--master_port={free_port()}", "-m", name.module, *args]
+        cmd = [torchrun, f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1", f"--master_port={free_port()}", "-m", "alignflow.stages", *args]
         os.execv(cmd[0], cmd)
-    from importlib import import_module
-
     from alignflow.stages.common.entry import run_stage_cli
 
-    main = import_module(f"{name.module}.stage").main
-    raise typer.Exit(run_stage_cli(main, name.value, args))
+    raise typer.Exit(run_stage_cli(args))
 
 
 def _prefect_defaults() -> None:
@@ -101,39 +103,70 @@ def _services_for(cfg):
 
 @app.command()
 def run(
-    config: Annotated[Path, typer.Argument(help="pipeline config YAML")],
+    config_arg: Annotated[Optional[Path], typer.Argument(metavar="CONFIG", help="pipeline config YAML")] = None,
+    config: Annotated[Optional[Path], typer.Option("--config", "-c", help="pipeline config YAML (same as CONFIG)")] = None,
     overrides: SetOpt = None,
+    until: Annotated[Optional[str], typer.Option(help="run this stage and every stage it needs")] = None,
+    only: Annotated[Optional[str], typer.Option(help="run this one stage; its inputs must be published already")] = None,
     summary_json: Annotated[Optional[Path], typer.Option(help="also write the run summary as JSON here")] = None,
 ) -> None:
-    """Run the config's pipeline end to end: each stage a cached Prefect task running a Ray job."""
-    cfg = _load(config, overrides)
+    """Run the config's stage graph: each stage a cached Prefect task running a Ray job."""
+    path = config or config_arg
+    if path is None:
+        typer.echo("error: give a config: alignflow run CONFIG (or --config CONFIG)", err=True)
+        raise typer.Exit(BAD_INPUT)
+    cfg = _load(path, overrides)
+    try:
+        from alignflow.flows.alignment import plan
+
+        plan(cfg, until, only)
+    except ConfigError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(BAD_INPUT) from None
     _prefect_defaults()
     with _services_for(cfg):
         from alignflow.flows.alignment import alignment
 
-        result = alignment(cfg)
+        state = alignment(str(path), overrides or [], until, only, return_state=True)
+    try:
+        result = state.result()
+    except ConfigError as exc:  # an input --only needs is not published
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(BAD_INPUT) from None
     _print_summary(result)
     if summary_json:
         summary_json.write_text(json.dumps(result, indent=2))
+    if state.is_failed():
+        raise typer.Exit(1)
 
 
 def _print_summary(result: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"alignflow {result['pipeline']} pipeline '{result['name']}' in {result['seconds']:.1f}s")
-    for col in ("stage", "cache", "seconds", "main metrics", "artifacts"):
-        table.add_column(col)
+    console = Console(width=max(Console().width, 160))
+    table = Table(title=f"alignflow '{result['name']}' in {result['seconds']:.1f}s")
+    for col in ("stage", "kind", "cache", "seconds", "main metrics", "published at"):
+        table.add_column(col, overflow="fold")
     for st in result["stages"]:
         main = {k: v for k, v in st["metrics"].items() if k in SUMMARY_METRICS}
-        table.add_row(st["stage"], "hit" if st["cached"] else "run", f"{st['seconds']:.1f}",
+        table.add_row(st["stage"], st["kind"], "hit" if st["cached"] else "run", f"{st['seconds']:.1f}",
                       ", ".join(f"{k}={v:.4g}" for k, v in main.items()), st["uri"])
-    console = Console()
     console.print(table)
+    for name, models in (result.get("eval") or {}).items():
+        metrics = sorted({m for row in models.values() for m in row})
+        evals = Table(title=f"eval stage '{name}'")
+        for col in ("model", *metrics):
+            evals.add_column(col)
+        for model, row in models.items():
+            evals.add_row(model, *[f"{row[m]:.4g}" if m in row else "-" for m in metrics])
+        console.print(evals)
     console.print(f"MLflow parent run: {result['mlflow']['parent_run']}")
-    if result.get("registered_model"):
-        reg = result["registered_model"]
+    reg = result.get("registered_model")
+    if reg and reg["promoted"]:
         console.print(f"Registered model: {reg['name']} version {reg['version']} (alias {reg['alias']}) <- {reg['source']}")
+    elif reg:
+        console.print(f"NOT PROMOTED: {reg['name']} version {reg['version']} is registered without the candidate alias: {reg['gate']}")
 
 
 services_app = typer.Typer(no_args_is_help=True, help="Local services that persist between runs.")
@@ -194,27 +227,26 @@ def services_status() -> None:
 
 @app.command()
 def serve(
-    config: Annotated[Path, typer.Option("--config", "-c", help="base config for every deployment")] = Path("configs/tiny.yaml"),
+    config: Annotated[Optional[list[Path]], typer.Option("--config", "-c", help="a config to deploy (repeat for several; "
+                                                         "default: configs/tiny*.yaml, the shipped tiny graphs)")] = None,
     overrides: SetOpt = None,
     cron: Annotated[str, typer.Option(help="example schedule, created paused")] = "0 3 * * *",
 ) -> None:
-    """Serve the `alignment` deployments (sft, full, grpo, dpo, kto) from this process."""
-    from alignflow.config import Pipeline, apply_overrides
-    import yaml
-
-    cfg = _load(config, overrides)  # the base must be valid; a variant whose stages are missing fails at run time
-    raw = apply_overrides(yaml.safe_load(config.read_text()), overrides or [])
+    """Serve one `alignment/<config file stem>` deployment per config from this process. Each deployment's parameters are the
+    config's path and overrides (not a copy of the config), so the run form can change a few values."""
+    paths = config or sorted(Path("configs").glob("tiny*.yaml"))
+    cfgs = [_load(p, overrides) for p in paths]  # every config must be valid before anything is served
     _prefect_defaults()
-    with _services_for(cfg):
+    with _services_for(cfgs[0]):
         from prefect import serve as prefect_serve
 
         from alignflow.flows.alignment import alignment
 
         deployments = [
-            alignment.to_deployment(name=p.value, parameters={"config": {**raw, "pipeline": p.value}}, cron=cron,
-                                    paused=True, description=f"alignment pipeline {p.value}: {' -> '.join(s.value for s in p.stages)}",
-                                    tags=["alignflow"])
-            for p in Pipeline
+            alignment.to_deployment(name=path.stem, parameters={"config": str(path), "overrides": list(overrides or [])},
+                                    cron=cron, paused=True, tags=["alignflow", cfg.name],
+                                    description=f"{path}: {' -> '.join(cfg.order())}")
+            for path, cfg in zip(paths, cfgs)
         ]
         prefect_serve(*deployments)
 
@@ -231,7 +263,7 @@ def export(
         files = export_model(source, dest)
     except ExportError as exc:
         typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(2) from None
+        raise typer.Exit(BAD_INPUT) from None
     typer.echo(f"exported {len(files)} files to {dest} (sha256 verified against the manifest)")
 
 
@@ -241,10 +273,8 @@ def config_show(config: ConfigOpt, overrides: SetOpt = None) -> None:
     cfg = _load(config, overrides)
     typer.echo(dump_config(cfg))
     typer.echo(f"# pipeline config hash: {cfg.config_hash()}")
-    for s in Stage:
-        section = getattr(cfg, s.value)
-        if section is not None:
-            typer.echo(f"# {s.value} config hash: {section.config_hash()}")
+    for name in cfg.order():
+        typer.echo(f"# {name} ({cfg.kind(name).value}) config hash: {cfg.section(name).config_hash()}")
 
 
 @app.command("build-model")
@@ -256,7 +286,7 @@ def build_model(name: Annotated[str, typer.Argument(help="builtin:tiny or builti
         typer.echo(resolve_builtin(name))
     except ValueError as exc:
         typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(2) from None
+        raise typer.Exit(BAD_INPUT) from None
 
 
 if __name__ == "__main__":

@@ -1,13 +1,14 @@
 """What a stage's result depends on, computed without torch.
 
-The Prefect task (which must not import torch) and the stage itself (inside the
-Ray job) both call `stage_cache_key`, so they always agree on where a stage's
-result lives: `{storage.root}/{pipeline}/{stage}/{cache_key}/`.
+The Prefect task (which must not import torch) and the stage itself (inside the Ray job) both call
+`stage_cache_key`, so they agree on where a stage's result lives: `{storage.root}/{kind}/{cache_key}/`.
+Neither the stage's name nor the pipeline's is in either: renaming a stage, or adding one beside it, re-runs
+nothing, two stages with the same key share one result, and configs share the stages they have in common.
 """
 
 from __future__ import annotations
 
-from alignflow.config import ConfigError, PipelineConfig, Stage
+from alignflow.config import ConfigError, PipelineConfig
 from alignflow.infra import manifest, storage
 
 
@@ -21,43 +22,54 @@ def data_inputs(stage_cfg) -> dict[str, str]:
     return {name: storage.fingerprint(src) for name, src in data_sources(stage_cfg).items()}
 
 
-def stage_cache_key(cfg: PipelineConfig, stage: Stage, upstream: dict[str, str] | None = None,
+def stage_cache_key(cfg: PipelineConfig, stage: str, upstream: dict[str, str] | None = None,
                     data: dict[str, str] | None = None) -> str:
-    """hash(stage config hash, data fingerprints, upstream manifest digests, alignflow version).
-    `data`: the stage's `data_inputs`, when the caller has them already (hashing data is not free)."""
-    section = cfg.stage(stage)
+    """hash(kind and result fields of the stage's section, data fingerprints, upstream manifest digests
+    by input role, alignflow version). `data`: the stage's `data_inputs`, when the caller has them already."""
+    section = cfg.section(stage)
     inputs = dict(data) if data is not None else data_inputs(section)
-    inputs.update({f"upstream:{name}": digest for name, digest in (upstream or {}).items()})
+    inputs.update({f"upstream:{role}": digest for role, digest in (upstream or {}).items()})
     return manifest.cache_key(section.config_hash(), inputs)
 
 
-def stage_output_uri(cfg: PipelineConfig, stage: Stage, key: str) -> str:
-    return manifest.stage_uri(cfg.storage.root, cfg.name, stage.value, key)
+def stage_output_uri(cfg: PipelineConfig, stage: str, key: str) -> str:
+    return manifest.stage_uri(cfg.storage.root, cfg.kind(stage).value, key)
 
 
 def input_digests(inputs: dict[str, str]) -> dict[str, str]:
-    """Manifest digest of each named upstream output; one that is not published is an error."""
+    """Manifest digest of each input role's published output; one that is not published is an error."""
     out = {}
-    for name, uri in inputs.items():
+    for role, uri in inputs.items():
         published = manifest.verify(uri, check_hashes=False)
         if published is None:
-            raise ConfigError(f"input {name}={uri}: no published stage output there (no MANIFEST.json that verifies)")
-        out[name] = published.digest
+            raise ConfigError(f"input {role}={uri}: no published stage output there (no MANIFEST.json that verifies)")
+        out[role] = published.digest
     return out
 
 
-def locate_inputs(cfg: PipelineConfig, stage: Stage) -> dict[str, str]:
-    """Where the upstream outputs `stage` consumes are published, found from the config alone:
-    each upstream stage's cache key is computed (recursively) and its manifest looked up. This
-    is how `alignflow stage rm --config full.yaml` finds the SFT model `alignflow stage sft` made."""
-    found = {}
-    for up in cfg.pipeline.inputs(stage):
-        upstream = locate_inputs(cfg, up)
-        uri = stage_output_uri(cfg, up, stage_cache_key(cfg, up, input_digests(upstream)))
-        if manifest.verify(uri, check_hashes=False) is None:
-            raise ConfigError(
-                f"stage {stage.value!r} starts from the {up.value} stage's output, which is not published at {uri}: "
-                f"run `alignflow stage {up.value}` (or the whole pipeline) first, or pass --input {up.value}=URI"
-            )
-        found[up.value] = uri
+def locate_inputs(cfg: PipelineConfig, stage: str) -> dict[str, str]:
+    """Where the upstream outputs `stage` consumes are published (input role -> URI), found from the config
+    alone: each upstream stage's cache key is computed (recursively) and its manifest looked up. This is
+    how `alignflow stage rm --config tiny-ppo.yaml` finds the SFT model `alignflow stage sft` made."""
+    found, missing = {}, []
+    for role, up in cfg.inputs_of(stage).items():
+        uri = published_uri(cfg, up)
+        if uri is None:
+            missing.append(up)
+        else:
+            found[role] = uri
+    if missing:
+        raise ConfigError(f"stage {stage!r} needs the output of {', '.join(repr(m) for m in missing)}, which is not "
+                          f"published: run those stages first (`alignflow run CONFIG --until {missing[0]}`), or pass "
+                          f"--input ROLE=URI")
     return found
+
+
+def published_uri(cfg: PipelineConfig, stage: str) -> str | None:
+    """The stage's published output for this config, if there is one (its inputs found the same way)."""
+    try:
+        upstream = locate_inputs(cfg, stage)
+    except ConfigError:
+        return None
+    uri = stage_output_uri(cfg, stage, stage_cache_key(cfg, stage, input_digests(upstream)))
+    return uri if manifest.verify(uri, check_hashes=False) is not None else None

@@ -1,10 +1,12 @@
-"""The Prefect flow `alignment`: the config's pipeline, stage after stage, each a Ray job.
+"""The Prefect flow `alignment`: the config's stage graph, each stage a cached task running a Ray job.
 
-Each stage's inputs are published outputs of earlier stages (`Pipeline.inputs`: RM,
-DPO and KTO start from SFT; RL in `full` also scores with RM). The flow
-opens the MLflow parent run, runs the stages through the stage task (cache
-hits cost no Ray job), registers the final model with alias `candidate`, and
-returns a summary. Killing the flow's process stops the stage job it waits on.
+Stages run in dependency order; stages whose inputs are published run at the same time (at most
+`ray.max_parallel_stages` jobs; on a local head the CPUs are shared out between the jobs that train in
+their own process). When a stage fails, its siblings already running finish and publish, the stages
+that need it are skipped, and the flow fails naming every failed stage. Two stages with the same cache
+key run once. The flow opens the MLflow parent run, registers the configured stage's model (alias
+`candidate` only when it passes its gate) and returns a summary. Killing the flow's process with
+SIGTERM stops the stage jobs it waits on.
 """
 
 from __future__ import annotations
@@ -14,16 +16,20 @@ import signal
 import threading
 import time
 from typing import Any
+from urllib.parse import urlparse
 
 from prefect import flow, get_run_logger
-from prefect.states import State
+from prefect.states import Completed, Failed
 
-from alignflow.config import PipelineConfig, Stage
-from alignflow.infra import ray_jobs, storage
+from alignflow.config import ConfigError, PipelineConfig, load_config
+from alignflow.flows.handoff import eval_table, register
+from alignflow.infra import manifest, ray_jobs
 from alignflow.infra.tracking import Tracker
-from alignflow.tasks.stage import RunContext, StageResult, run_stage
+from alignflow.lineage import published_uri
+from alignflow.tasks.stage import RunContext, StageResult, result_from_manifest, run_stage, stage_key, tracking_settings
 
 RAY_ADDRESS_ENV = "ALIGNFLOW_RAY_ADDRESS"
+POLL_S = 0.5
 
 
 def ray_address(config: PipelineConfig) -> str:
@@ -37,7 +43,7 @@ def ray_address(config: PipelineConfig) -> str:
 
 
 def _stop_jobs_on_sigterm() -> None:
-    """A killed flow process (SIGTERM: cancellation, a worker shutting down) stops its Ray job first."""
+    """A killed flow process (SIGTERM: cancellation, a worker shutting down) stops its Ray jobs first."""
     if threading.current_thread() is not threading.main_thread():
         return
 
@@ -48,32 +54,159 @@ def _stop_jobs_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, handler)
 
 
+def plan(config: PipelineConfig, until: str | None = None, only: str | None = None) -> list[str]:
+    """The stages this run executes, in dependency order."""
+    if until and only:
+        raise ConfigError("give --until or --only, not both")
+    for flag, name in (("--until", until), ("--only", only)):
+        if name is not None and name not in config.stages:
+            raise ConfigError(f"{flag} {name}: no such stage (stages: {', '.join(config.stages)})")
+    if only:
+        return [only]
+    return config.needed_for(until) if until else config.order()
+
+
+def published_inputs(config: PipelineConfig, stage: str) -> dict[str, StageResult]:
+    """--only: the stage's inputs must be published already; each becomes a result without running."""
+    found, missing = {}, []
+    for up in dict.fromkeys(config.inputs_of(stage).values()):
+        uri = published_uri(config, up)
+        if uri is None:
+            missing.append(up)
+            continue
+        key = uri.rstrip("/").rsplit("/", 1)[-1]
+        found[up] = result_from_manifest(config, up, uri, key, manifest.verify(uri), 0.0, cached=True, run_id=None)
+    if missing:
+        raise ConfigError(f"--only {stage}: its inputs {', '.join(missing)} are not published for this config; run them "
+                          f"first (alignflow run CONFIG --until {missing[0]})")
+    return found
+
+
+def local_cpus(config: PipelineConfig, address: str) -> int | None:
+    """CPUs of a head on this machine (shared out between concurrent jobs); None for a remote cluster."""
+    host = urlparse(address).hostname or ""
+    return (config.ray.num_cpus or os.cpu_count() or 1) if host in ("127.0.0.1", "localhost", "::1") else None
+
+
+def mermaid(config: PipelineConfig, stages: list[str]) -> str:
+    lines = ["graph LR"] + [f'  {n}["{n} ({config.kind(n).value})"]' for n in stages]
+    lines += [f"  {up} -->|{role}| {n}" for n in stages for role, up in config.inputs_of(n).items() if up in stages]
+    return "\n".join(lines) + "\n"
+
+
+class Scheduler:
+    """Submits each stage once its inputs are published; at most `cap` in flight; failures stop only their
+    descendants."""
+
+    def __init__(self, config: PipelineConfig, stages: list[str], done: dict[str, StageResult], ctx: RunContext, cpus: int | None):
+        self.config, self.pending, self.ctx, self.cpus = config, list(stages), ctx, cpus
+        self.results, self.failed, self.skipped = dict(done), {}, []
+        self.running: dict[str, Any] = {}  # name -> Prefect future
+        self.by_key: dict[str, str] = {}  # cache key -> the stage that runs it
+        self.twins: dict[str, str] = {}  # a stage whose key another stage already runs -> that stage
+        self.task = run_stage.with_options(retries=config.ray.retries, retry_delay_seconds=config.ray.retry_delay_s)
+
+    def run(self) -> None:
+        while self.pending or self.running:
+            self._submit_ready()
+            self._collect()
+            if self.running:
+                time.sleep(POLL_S)
+
+    def _ready(self) -> list[str]:
+        ready = []
+        for name in list(self.pending):
+            ups = set(self.config.inputs_of(name).values())
+            if ups & (set(self.failed) | set(self.skipped)):
+                self.pending.remove(name)
+                self.skipped.append(name)
+                get_run_logger().warning("%s: skipped: an input failed", name)
+            elif ups <= set(self.results):
+                ready.append(name)
+        return ready
+
+    def _submit_ready(self) -> None:
+        ready = self._ready()
+        in_process = [n for n in [*ready, *self.running] if not self.config.kind(n).own_workers]
+        threads = max(1, self.cpus // max(1, min(len(in_process), self.config.ray.max_parallel_stages))) if self.cpus else None
+        for name in ready:
+            upstream = {role: self.results[up] for role, up in self.config.inputs_of(name).items()}
+            key = stage_key(self.config, name, upstream)
+            if key in self.by_key:  # the same result under another name: run once
+                self.twins[name] = self.by_key[key]
+                self.pending.remove(name)
+                continue
+            if len(self.running) >= self.config.ray.max_parallel_stages:
+                break
+            self.by_key[key] = name
+            ctx = self.ctx.model_copy(update={"threads": threads})
+            self.running[name] = self.task.submit(config=self.config, stage=name, key=key, upstream=upstream, ctx=ctx)
+            self.pending.remove(name)
+
+    def _collect(self) -> None:
+        for name, future in list(self.running.items()):
+            future.wait(timeout=0)  # records the final state (with its result in memory) once the task is done
+            if not future.state.is_final():
+                continue
+            del self.running[name]
+            try:
+                self.results[name] = future.result()
+            except BaseException as exc:  # noqa: BLE001 (recorded; the flow fails after the siblings finish)
+                self.failed[name] = exc
+                get_run_logger().error("%s: failed: %s", name, str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+        for twin, source in list(self.twins.items()):
+            if source in self.results:
+                self.results[twin] = self.results[source].model_copy(update={"stage": twin, "cached": True, "seconds": 0.0,
+                                                                             "inputs": self.config.inputs_of(twin)})
+                del self.twins[twin]
+            elif source in self.failed:
+                self.failed[twin] = self.failed[source]
+                del self.twins[twin]
+
+
 @flow(name="alignment", log_prints=True)
-def alignment(config: PipelineConfig) -> dict[str, Any]:
+def alignment(config: str = "configs/tiny.yaml", overrides: list[str] | None = None, until: str | None = None,
+              only: str | None = None) -> Any:
+    """Run a pipeline config's stage graph. `config`: a config file (path or storage URI); `overrides`:
+    KEY=VALUE items such as `dpo.optim.lr=5e-4`; `until`: run this stage and what it needs; `only`: run one
+    stage whose inputs are published."""
     log = get_run_logger()
     _stop_jobs_on_sigterm()
     started = time.time()
-    address = ray_address(config)  # fails before any MLflow run is opened
-    tracker = Tracker(config)
+    cfg = load_config(config, overrides or [])
+    stages = plan(cfg, until, only)
+    inputs = published_inputs(cfg, only) if only else {}
+    address = ray_address(cfg)  # fails before any MLflow run is opened
+    tracker = Tracker(tracking_settings(cfg))
     flow_run_id = _flow_run_id()
-    parent = tracker.start_parent(flow_run_id)
-    ctx = RunContext(ray_address=address, parent_run_id=parent, flow_run_id=flow_run_id)
-    results: list[StageResult] = []
+    tags = {"alignflow.name": cfg.name, "alignflow.config_hash": cfg.config_hash(), "alignflow.stages": ",".join(stages),
+            "prefect.flow_run_id": str(flow_run_id)}
+    parent = tracker.start_parent(cfg.name, tags, {n: cfg.section(n).model_dump(mode="json", by_alias=True) for n in stages})
+    tracker.log_text(parent, mermaid(cfg, stages), "graph.mmd")
+    scheduler = Scheduler(cfg, stages, inputs, RunContext(ray_address=address, parent_run_id=parent, flow_run_id=flow_run_id),
+                          local_cpus(cfg, address))
     try:
-        for stage in config.stages:
-            done = {r.stage: r for r in results}
-            upstream = {up.value: done[up.value] for up in config.pipeline.inputs(stage)}
-            task = run_stage.with_options(retries=config.ray.retries, retry_delay_seconds=config.ray.retry_delay_s)
-            state = task(config, stage, upstream, ctx, return_state=True)
-            results.append(_stage_result(state, tracker, ctx, stage))
-            log.info("%s: %s in %.1fs -> %s", stage.value, "cache hit" if results[-1].cached else "done",
-                     results[-1].seconds, results[-1].uri)
-        registered = _register(config, tracker, parent, results)
+        scheduler.run()
+        if scheduler.failed:
+            names = ", ".join(scheduler.failed)
+            skipped = f" (skipped: {', '.join(scheduler.skipped)})" if scheduler.skipped else ""
+            raise RuntimeError(f"stages failed: {names}{skipped}; re-run to resume them from their checkpoints\n" +
+                               "\n".join(f"{n}: {exc}" for n, exc in scheduler.failed.items()))
+        results = {n: scheduler.results[n] for n in stages}
+        registered = register(cfg, tracker, parent, results)
+        tracker.log_metrics(parent, {f"{n}/{k}": v for n, r in results.items() for k, v in r.metrics.items()
+                                     if k.startswith("eval/") or r.kind == "eval"})
         tracker.finish(parent, ok=True)
     except BaseException:
         tracker.finish(parent, ok=False)
         raise
-    return summary(config, tracker, parent, results, registered, time.time() - started)
+    for name, r in results.items():
+        log.info("%s: %s in %.1fs -> %s", name, "cache hit" if r.cached else "done", r.seconds, r.uri)
+    out = summary(cfg, tracker, parent, results, registered, time.time() - started)
+    if registered and not registered["promoted"]:
+        message = f"not promoted: {registered['gate']}"
+        return Failed(message=message, data=out) if cfg.registration.gate.fail else Completed(message=message, name="NotPromoted", data=out)
+    return out
 
 
 def _flow_run_id() -> str | None:
@@ -82,39 +215,15 @@ def _flow_run_id() -> str | None:
     return str(flow_run.id) if flow_run.id else None
 
 
-def _stage_result(state: State, tracker: Tracker, ctx: RunContext, stage: Stage) -> StageResult:
-    result: StageResult = state.result()  # raises the task's exception on failure
-    if state.name == "Cached":  # Prefect's cache answered: the task body (and its MLflow record) did not run
-        meta = {"mlflow_run_id": result.source_run_id, "metrics": result.metrics, "uri": result.uri}
-        run_id = tracker.record_cache_hit(ctx.parent_run_id, stage.value, result.cache_key, ctx.flow_run_id, meta)
-        result = result.model_copy(update={"cached": True, "seconds": 0.0, "mlflow_run_id": run_id, "ray_job_id": None})
-    return result
-
-
-def _register(config: PipelineConfig, tracker: Tracker, parent: str, results: list[StageResult]) -> dict[str, str] | None:
-    if not config.tracking.register_model or not results:
-        return None
-    if config.stages != config.pipeline.stages:
-        get_run_logger().info("stop_after=%s: the pipeline stopped early; its last model is not registered as a candidate",
-                              config.stop_after.value)
-        return None
-    final = results[-1]
-    card = storage.read_text(storage.join(final.uri, "MODEL_CARD.md"))
-    lineage = " -> ".join(f"{r.stage}:{r.cache_key}" for r in results)
-    tags = {"alignflow.cache_key": final.cache_key, "alignflow.stage": final.stage, "alignflow.lineage": lineage,
-            "alignflow.manifest_digest": final.digest}
-    version = tracker.register(storage.join(final.uri, "model"), parent, tags, card)
-    return {"name": config.name, "version": version, "alias": "candidate", "source": storage.join(final.uri, "model")}
-
-
-def summary(config: PipelineConfig, tracker: Tracker, parent: str, results: list[StageResult],
-            registered: dict[str, str] | None, seconds: float) -> dict[str, Any]:
+def summary(config: PipelineConfig, tracker: Tracker, parent: str, results: dict[str, StageResult],
+            registered: dict[str, Any] | None, seconds: float) -> dict[str, Any]:
     return {
-        "pipeline": config.pipeline.value,
         "name": config.name,
         "seconds": seconds,
         "mlflow": {"tracking_uri": tracker.uri, "parent_run_id": parent, "parent_run": tracker.run_url(parent)},
         "registered_model": registered,
+        "promoted": registered["promoted"] if registered else None,
         "stages": [r.model_dump() | {"mlflow_run": tracker.run_url(r.mlflow_run_id) if r.mlflow_run_id else None}
-                   for r in results],
+                   for r in results.values()],
+        "eval": {n: eval_table(r) for n, r in results.items() if r.kind == "eval"},
     }

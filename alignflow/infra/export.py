@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 from alignflow.infra import manifest, storage
+from alignflow.infra.tracking import STAGE_URI_TAG
 
 
 class ExportError(RuntimeError):
@@ -24,7 +25,7 @@ def resolve_source(source: str) -> str:
         else:
             name, number = ref.rsplit("/", 1)
             version = client.get_model_version(name, number)
-        source = version.source
+        source = version.tags.get(STAGE_URI_TAG) or version.source
     source = source.rstrip("/")
     return source[: -len("/model")] if source.endswith("/model") else source
 

@@ -42,8 +42,10 @@ def cache_key(config_hash: str, inputs: dict[str, str], version: str = __version
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def stage_uri(storage_root: str, pipeline: str, stage: str, key: str) -> str:
-    return storage.join(storage_root, pipeline, stage, key)
+def stage_uri(storage_root: str, kind: str, key: str) -> str:
+    """`{root}/{kind}/{key}`: content-addressed, so every config that computes the same key (any pipeline
+    name, any stage name) finds the same result."""
+    return storage.join(storage_root, kind, key)
 
 
 def write_manifest(root_uri: str, name: str = STAGE_MANIFEST, exclude: tuple[str, ...] = (), **meta: Any) -> Manifest:

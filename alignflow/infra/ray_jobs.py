@@ -1,8 +1,8 @@
 """Stage jobs through Ray's Jobs API: submit, stream logs, wait, stop.
 
-A stage's entry point is `python -m alignflow.stages.<stage> --config <uri> --output <uri>`
-with the caller's own interpreter (same venv on a local head; on a cluster, the
-image must hold the same alignflow). The stage exits with code 2 for bad config
+A stage's entry point is `python -m alignflow.stages --config <uri> --stage <name> --output <uri>
+--cache-key <key>` with the caller's own interpreter (same venv on a local head; on a cluster, the
+image must hold the same alignflow). The stage exits with `exit_codes.BAD_INPUT` for bad config
 or data: such a failure is marked not retryable.
 """
 
@@ -16,7 +16,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Callable
 
-BAD_INPUT_EXIT_CODE = 2
+from alignflow.exit_codes import BAD_INPUT
+
 ACTIVE: dict[str, str] = {}  # job id -> Jobs API address, for jobs this process is waiting on
 
 
@@ -33,6 +34,8 @@ class JobOutcome:
     job_id: str
     seconds: float
     log: str
+    started_at: float | None = None  # Ray's own record of the job's start and end (epoch seconds)
+    ended_at: float | None = None
 
 
 def client(address: str):
@@ -41,9 +44,10 @@ def client(address: str):
     return JobSubmissionClient(address)
 
 
-def stage_entrypoint(module: str, config_uri: str, output_uri: str, inputs: dict[str, str] | None = None) -> str:
-    inputs_args = [a for name, uri in (inputs or {}).items() for a in ("--input", f"{name}={uri}")]
-    return shlex.join([sys.executable, "-u", "-m", module, "--config", config_uri, "--output", output_uri, *inputs_args])
+def stage_entrypoint(*, stage: str, config_uri: str, output_uri: str, cache_key: str, inputs: dict[str, str] | None = None) -> str:
+    inputs_args = [a for role, uri in (inputs or {}).items() for a in ("--input", f"{role}={uri}")]
+    return shlex.join([sys.executable, "-u", "-m", "alignflow.stages", "--config", config_uri, "--stage", stage,
+                       "--output", output_uri, "--cache-key", cache_key, *inputs_args])
 
 
 def run_job(
@@ -84,10 +88,11 @@ def run_job(
         ACTIVE.pop(job_id, None)
     for line in tail.new_lines(log + "\n"):
         on_log(line)
+    info = jobs.get_job_info(job_id)
     if status != JobStatus.SUCCEEDED:
-        info = jobs.get_job_info(job_id)
         raise failure(job_id, str(status), info.message or "", log)
-    return JobOutcome(job_id, time.time() - start, log)
+    seconds = lambda ms: ms / 1000 if ms else None  # noqa: E731
+    return JobOutcome(job_id, time.time() - start, log, seconds(info.start_time), seconds(info.end_time))
 
 
 class LogTail:
@@ -120,7 +125,7 @@ def failure(job_id: str, status: str, message: str, log: str) -> StageJobError:
     match = re.search(r"exit code (\d+)", message)
     code = int(match.group(1)) if match else None
     tail = "\n".join(log.splitlines()[-40:])
-    retryable = code != BAD_INPUT_EXIT_CODE
+    retryable = code != BAD_INPUT
     kind = "bad input (not retried)" if not retryable else status.lower()
     return StageJobError(f"stage job {job_id} failed: {kind}: {message.splitlines()[0] if message else ''}\n{tail}", retryable, job_id)
 

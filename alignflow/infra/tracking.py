@@ -1,32 +1,41 @@
-"""MLflow run tree and Model Registry, from the orchestration side (no torch).
+"""MLflow run tree and Model Registry, from the orchestration side (no torch, no pipeline config).
 
-One parent run per pipeline run; one child run per stage, created here and
-continued inside the Ray job (its id travels in ALIGNFLOW_MLFLOW_RUN_ID). A cache
-hit gets a child run too, tagged with the run that produced the artifact.
-Only config values are logged as params: credentials live in the environment
-and never pass through here.
+One parent run per pipeline run; one child run per stage, created here and continued inside the Ray
+job (its id travels in ALIGNFLOW_MLFLOW_RUN_ID). A cache hit gets a child run too, tagged with the
+run that produced the artifact. Only config values are logged as params: credentials live in the
+environment and never pass through here.
 """
 
 from __future__ import annotations
 
 import os
+import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from alignflow.config import PipelineConfig, Stage
 from alignflow.infra import storage
 
 RUN_ID_ENV = "ALIGNFLOW_MLFLOW_RUN_ID"
 PARAM_LIMIT = 6000
+STAGE_URI_TAG = "alignflow.stage_uri"  # the published stage folder a registered version came from
+LINEAGE_TAG = "alignflow.lineage_digest"
 
 
-def tracking_uri(cfg: PipelineConfig) -> str:
-    """Config, then MLFLOW_TRACKING_URI, then a sqlite store beside local storage (or in ~/.alignflow)."""
-    if cfg.tracking.uri:
-        return cfg.tracking.uri
+@dataclass(frozen=True)
+class TrackingSettings:
+    uri: str | None  # unset: MLFLOW_TRACKING_URI, else a sqlite store beside local storage (or in ~/.alignflow)
+    experiment: str
+    storage_root: str
+
+
+def tracking_uri(settings: TrackingSettings) -> str:
+    if settings.uri:
+        return settings.uri
     if os.environ.get("MLFLOW_TRACKING_URI"):
         return os.environ["MLFLOW_TRACKING_URI"]
-    folder = storage.local_path(cfg.storage.root) if storage.is_local(cfg.storage.root) else Path.home() / ".alignflow"
+    root = settings.storage_root
+    folder = storage.local_path(root) if storage.is_local(root) else Path.home() / ".alignflow"
     folder.mkdir(parents=True, exist_ok=True)
     return f"sqlite:///{folder.resolve()}/mlflow.db"
 
@@ -41,21 +50,21 @@ def flatten(data: Any, prefix: str = "") -> dict[str, str]:
 
 
 class Tracker:
-    def __init__(self, cfg: PipelineConfig):
+    def __init__(self, settings: TrackingSettings):
         from mlflow import MlflowClient
 
-        self.cfg = cfg
-        self.uri = tracking_uri(cfg)
+        self.settings = settings
+        self.uri = tracking_uri(settings)
         self.client = MlflowClient(self.uri)
-        self.experiment_id = self._experiment(cfg.tracking.experiment)
+        self.experiment_id = self._experiment(settings.experiment)
 
     def _experiment(self, name: str) -> str:
         found = self.client.get_experiment_by_name(name)
         if found is not None:
             return found.experiment_id
         artifacts = None
-        if self.uri.startswith("sqlite:") and storage.is_local(self.cfg.storage.root):
-            artifacts = (storage.local_path(self.cfg.storage.root) / "mlflow-artifacts").resolve().as_uri()
+        if self.uri.startswith("sqlite:") and storage.is_local(self.settings.storage_root):
+            artifacts = (storage.local_path(self.settings.storage_root) / "mlflow-artifacts").resolve().as_uri()
         return self.client.create_experiment(name, artifact_location=artifacts)
 
     def run_url(self, run_id: str) -> str:
@@ -63,18 +72,17 @@ class Tracker:
             return f"{self.uri.rstrip('/')}/#/experiments/{self.experiment_id}/runs/{run_id}"
         return f"{self.uri} (experiment {self.experiment_id}, run {run_id}); view with `mlflow ui --backend-store-uri {self.uri}`"
 
-    def start_parent(self, flow_run_id: str | None) -> str:
-        tags = {"alignflow.pipeline": self.cfg.pipeline.value, "alignflow.name": self.cfg.name,
-                "alignflow.config_hash": self.cfg.config_hash(), "prefect.flow_run_id": str(flow_run_id)}
-        run = self.client.create_run(self.experiment_id, run_name=f"{self.cfg.name}-{self.cfg.pipeline.value}", tags=tags)
-        self.log_params(run.info.run_id, self.cfg.model_dump(mode="json"))
+    def start_parent(self, run_name: str, tags: dict[str, str], params: dict) -> str:
+        run = self.client.create_run(self.experiment_id, run_name=run_name, tags=tags)
+        self.log_params(run.info.run_id, params)
         return run.info.run_id
 
-    def start_child(self, parent_id: str, stage: str, cache_key: str, flow_run_id: str | None, extra: dict[str, str] | None = None) -> str:
+    def start_child(self, parent_id: str, stage: str, cache_key: str, flow_run_id: str | None, params: dict,
+                    tags: dict[str, str] | None = None) -> str:
         tags = {"mlflow.parentRunId": parent_id, "alignflow.stage": stage, "alignflow.cache_key": cache_key,
-                "prefect.flow_run_id": str(flow_run_id), **(extra or {})}
+                "prefect.flow_run_id": str(flow_run_id), **(tags or {})}
         run = self.client.create_run(self.experiment_id, run_name=stage, tags=tags)
-        self.log_params(run.info.run_id, {stage: self.cfg.stage(Stage(stage)).model_dump(mode="json")})
+        self.log_params(run.info.run_id, params)
         return run.info.run_id
 
     def log_params(self, run_id: str, data: dict) -> None:
@@ -84,19 +92,25 @@ class Tracker:
         for i in range(0, len(params), 100):
             self.client.log_batch(run_id, params=params[i:i + 100])
 
-    def record_cache_hit(self, parent_id: str, stage: str, cache_key: str, flow_run_id: str | None, meta: dict) -> str:
-        """A child run that says where the artifact came from, instead of an empty run."""
+    def log_metrics(self, run_id: str, metrics: dict[str, float], step: int = 0) -> None:
         from mlflow.entities import Metric
-        import time
 
-        source = meta.get("mlflow_run_id") or ""
-        run_id = self.start_child(parent_id, stage, cache_key, flow_run_id,
-                                  {"alignflow.cache_hit": "true", "alignflow.source_run_id": source,
-                                   "alignflow.artifact_uri": meta.get("uri", "")})
         now = int(time.time() * 1000)
-        metrics = [Metric(k, float(v), now, 0) for k, v in (meta.get("metrics") or {}).items()]
-        if metrics:
-            self.client.log_batch(run_id, metrics=metrics)
+        batch = [Metric(k, float(v), now, step) for k, v in metrics.items()]
+        for i in range(0, len(batch), 500):
+            self.client.log_batch(run_id, metrics=batch[i:i + 500])
+
+    def log_text(self, run_id: str, text: str, path: str) -> None:
+        self.client.log_text(run_id, text, path)
+
+    def record_cache_hit(self, parent_id: str, stage: str, cache_key: str, flow_run_id: str | None, meta: dict,
+                         params: dict, tags: dict[str, str] | None = None) -> str:
+        """A child run that says where the artifact came from, instead of an empty run."""
+        source = meta.get("mlflow_run_id") or ""
+        run_id = self.start_child(parent_id, stage, cache_key, flow_run_id, params,
+                                  {**(tags or {}), "alignflow.cache_hit": "true", "alignflow.source_run_id": source,
+                                   "alignflow.artifact_uri": meta.get("uri", "")})
+        self.log_metrics(run_id, meta.get("metrics") or {})
         self.client.set_terminated(run_id, "FINISHED")
         return run_id
 
@@ -106,16 +120,33 @@ class Tracker:
     def finish(self, run_id: str, ok: bool) -> None:
         self.client.set_terminated(run_id, "FINISHED" if ok else "FAILED")
 
-    def register(self, source: str, run_id: str, tags: dict[str, str], description: str) -> str:
-        """A new version of the pipeline's registered model, aliased `candidate`."""
+    def register(self, name: str, stage_uri: str, run_id: str, tags: dict[str, str], description: str) -> tuple[str, bool]:
+        """A version of `name` for the published stage's `model/` folder: (version, created). The same lineage
+        digest (tag) maps to the same version, so a fully cached re-run registers nothing new.
+
+        An MLflow server accepts a local source only inside the run's artifact folder: with local storage and a
+        server, the model is logged to the run's artifacts and registered from there."""
         from mlflow.exceptions import MlflowException
 
-        name = self.cfg.name
         try:
             self.client.create_registered_model(name, description=f"alignflow pipeline {name!r}")
         except MlflowException as exc:
             if "RESOURCE_ALREADY_EXISTS" not in str(exc.error_code):
                 raise
-        version = self.client.create_model_version(name, source=source, run_id=run_id, tags=tags, description=description)
-        self.client.set_registered_model_alias(name, "candidate", version.version)
-        return version.version
+        for version in self.client.search_model_versions(f"name='{name}'"):
+            if version.tags.get(LINEAGE_TAG) and version.tags.get(LINEAGE_TAG) == tags.get(LINEAGE_TAG):
+                return version.version, False
+        source = storage.join(stage_uri, "model")
+        if self.uri.startswith("http") and storage.is_local(stage_uri):
+            self.client.log_artifacts(run_id, str(storage.local_path(source)), "model")
+            source = f"{self.client.get_run(run_id).info.artifact_uri}/model"
+        version = self.client.create_model_version(name, source=source, run_id=run_id, description=description,
+                                                   tags={**tags, STAGE_URI_TAG: stage_uri})
+        return version.version, True
+
+    def set_alias(self, name: str, alias: str, version: str) -> None:
+        self.client.set_registered_model_alias(name, alias, version)
+
+    def tag_version(self, name: str, version: str, tags: dict[str, str]) -> None:
+        for key, value in tags.items():
+            self.client.set_model_version_tag(name, version, key, value)

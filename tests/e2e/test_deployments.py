@@ -42,19 +42,23 @@ def _ts(iso: str) -> float:
 def test_served_deployment_runs_from_the_prefect_cli(services, tmp_path):
     from mlflow import MlflowClient
 
-    serve = alignflow(services, "serve", "--set", "storage.root=s3://alignflow-test/e2e-deploy",
-                      "--set", "sft.batch.max_steps=20", "--set", "name=e2e-deploy", wait=False)
+    overrides = ["storage.root=s3://alignflow-test/e2e-deploy", "sft.batch.max_steps=20", "name=e2e-deploy"]
+    serve = alignflow(services, "serve", *[a for o in overrides for a in ("--set", o)], wait=False)
     try:
         deadline = time.time() + 180
-        while prefect_cli(services, "deployment", "inspect", "alignment/sft").returncode != 0:
+        while prefect_cli(services, "deployment", "inspect", "alignment/tiny").returncode != 0:
             assert serve.poll() is None, serve.stdout.read()[-3000:]
-            assert time.time() < deadline, "deployment alignment/sft never appeared"
+            assert time.time() < deadline, "deployment alignment/tiny never appeared"
             time.sleep(2)
         listed = prefect_cli(services, "deployment", "ls").stdout
-        for variant in ("sft", "full", "grpo", "dpo", "kto"):
+        for variant in ("tiny", "tiny-ppo", "tiny-grpo", "tiny-tulu3", "tiny-compare", "tiny-multiturn"):
             assert f"alignment/{variant}" in listed
+        inspected = prefect_cli(services, "deployment", "inspect", "alignment/tiny-ppo").stdout
+        assert "configs/tiny-ppo.yaml" in inspected and "sft.batch.max_steps=20" in inspected  # a path, not a copy
 
-        run = prefect_cli(services, "deployment", "run", "alignment/sft", "--watch", "--watch-timeout", "480")
+        # What the run form does: the config stays a path; a few values change through `overrides`.
+        params = json.dumps({"overrides": [*overrides, "sft.optim.lr=0.002"]})
+        run = prefect_cli(services, "deployment", "run", "alignment/tiny", "--params", params, "--watch", "--watch-timeout", "480")
         assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
         assert "Completed" in run.stdout
     finally:
@@ -64,7 +68,7 @@ def test_served_deployment_runs_from_the_prefect_cli(services, tmp_path):
     client = MlflowClient(services["mlflow"])
     runs = client.search_runs([client.get_experiment_by_name("alignflow").experiment_id],
                               "tags.`alignflow.name` = 'e2e-deploy'")
-    assert runs and runs[0].info.status == "FINISHED"
+    assert runs and runs[0].info.status == "FINISHED" and runs[0].data.params["sft.optim.lr"] == "0.002"
     assert client.get_model_version_by_alias("e2e-deploy", "candidate").source.startswith("s3://alignflow-test/e2e-deploy/")
 
 
@@ -74,10 +78,10 @@ def test_prefect_yaml_deploys_to_a_process_work_pool_and_a_worker_runs_it(servic
     from alignflow.config import load_config
 
     spec = yaml.safe_load((ROOT / "prefect.yaml").read_text())
-    assert {d["name"] for d in spec["deployments"]} == {"sft", "full", "grpo", "dpo", "kto"}
+    assert {d["name"] for d in spec["deployments"]} == {"tiny", "tiny-ppo", "tiny-grpo", "tiny-tulu3", "tiny-compare", "tiny-multiturn"}
     assert all(not s["active"] for d in spec["deployments"] for s in d["schedules"])
-    tiny = yaml.safe_load((ROOT / "configs/tiny.yaml").read_text())
-    assert spec["definitions"]["tiny"]["sft"] == tiny["sft"]  # the rest: tests/unit/test_config.py
+    for d in spec["deployments"]:  # every deployment names a shipped config, loadable as is (base: included)
+        load_config(ROOT / d["parameters"]["config"], d["parameters"]["overrides"])
 
     assert prefect_cli(services, "work-pool", "create", "alignflow", "--type", "process").returncode == 0
     deploy = prefect_cli(services, "--no-prompt", "deploy", "--all")
@@ -85,13 +89,8 @@ def test_prefect_yaml_deploys_to_a_process_work_pool_and_a_worker_runs_it(servic
     worker = subprocess.Popen([PREFECT, "worker", "start", "--pool", "alignflow"], cwd=ROOT,
                               env={**os.environ, **services["env"]}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        params = dict(spec["deployments"][0]["parameters"]["config"])
-        params.update(name="e2e-worker", storage={"root": "s3://alignflow-test/e2e-worker"})
-        params["sft"] = {**params["sft"], "batch": {**params["sft"]["batch"], "max_steps": 10}}
-        load_config_dict = tmp_path / "c.yaml"
-        load_config_dict.write_text(yaml.safe_dump(params))
-        load_config(load_config_dict)  # the parameters are a valid config
-        run = prefect_cli(services, "deployment", "run", "alignment/sft", "--params", json.dumps({"config": params}),
+        overrides = ["name=e2e-worker", "storage.root=s3://alignflow-test/e2e-worker", "sft.batch.max_steps=10"]
+        run = prefect_cli(services, "deployment", "run", "alignment/tiny", "--params", json.dumps({"overrides": overrides}),
                           "--watch", "--watch-timeout", "480")
         assert run.returncode == 0 and "Completed" in run.stdout, run.stdout[-3000:] + run.stderr[-3000:]
     finally:
@@ -112,14 +111,14 @@ def test_prefect_flow_run_retry_resumes_the_failed_stage(services, tmp_path):
                       "--set", "sft.checkpoint.every_steps=10", "--set", "ray.retries=0", "--set", "name=e2e-retry", wait=False)
     try:
         deadline = time.time() + 180
-        while prefect_cli(services, "deployment", "inspect", "alignment/sft").returncode != 0:
+        while prefect_cli(services, "deployment", "inspect", "alignment/tiny").returncode != 0:
             assert time.time() < deadline and serve.poll() is None
             time.sleep(2)
         before = ray_jobs(services)
-        started = prefect_cli(services, "deployment", "run", "alignment/sft")
+        started = prefect_cli(services, "deployment", "run", "alignment/tiny")
         flow_run_id = re.search(r"UUID: ([0-9a-f-]{36})", started.stdout).group(1)
         job = _running_job(services, before, timeout=180)
-        key = _wait_for_checkpoint(f"{root}/e2e-retry/sft")
+        key = _wait_for_checkpoint(f"{root}/sft")
         from ray.job_submission import JobSubmissionClient
 
         JobSubmissionClient(services["ray"]).stop_job(job)
@@ -132,5 +131,5 @@ def test_prefect_flow_run_retry_resumes_the_failed_stage(services, tmp_path):
     finally:
         serve.terminate()
         serve.wait(timeout=60)
-    metrics = json.loads(storage.read_text(f"{root}/e2e-retry/sft/{key}/metrics.json"))
+    metrics = json.loads(storage.read_text(f"{root}/sft/{key}/metrics.json"))
     assert metrics["resumed_from_step"] >= 10

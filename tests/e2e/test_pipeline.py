@@ -29,7 +29,7 @@ def test_run_then_rerun_is_fully_cached(services, tmp_path):
     summary = json.loads((tmp_path / "1.json").read_text())
     (sft,) = summary["stages"]
     assert not sft["cached"] and sft["ray_job_id"] in set(ray_jobs(services)) - set(jobs_before)
-    assert sft["uri"].startswith(f"{root}/e2e-run/sft/")
+    assert sft["uri"].startswith(f"{root}/sft/")
 
     client = MlflowClient(services["mlflow"])
     parent = client.get_run(summary["mlflow"]["parent_run_id"])
@@ -45,6 +45,7 @@ def test_run_then_rerun_is_fully_cached(services, tmp_path):
 
     version = client.get_model_version_by_alias("e2e-run", "candidate")
     assert version.source == storage.join(sft["uri"], "model") and version.tags["alignflow.cache_key"] == sft["cache_key"]
+    assert child.info.run_name == "sft" and child.data.tags["alignflow.kind"] == "sft"
     model_dir = storage.download_dir(version.source, tmp_path / "candidate")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -106,7 +107,7 @@ def test_killed_stage_resumes_from_its_checkpoint(services, tmp_path, kill):
     before = ray_jobs(services)
     proc = alignflow(services, *args, wait=False)
     job = _running_job(services, before)
-    key = _wait_for_checkpoint(f"{root}/kill-{kill}/sft")
+    key = _wait_for_checkpoint(f"{root}/sft")
     if kill == "ray_job":
         from ray.job_submission import JobSubmissionClient
 
@@ -119,7 +120,7 @@ def test_killed_stage_resumes_from_its_checkpoint(services, tmp_path, kill):
     while ray_jobs(services)[job] not in ("STOPPED", "FAILED") and time.time() < deadline:
         time.sleep(0.5)
     assert ray_jobs(services)[job] in ("STOPPED", "FAILED")  # no job outlives its flow run
-    assert storage.exists(f"{root}/kill-{kill}/sft/{key}/MANIFEST.json") is False
+    assert storage.exists(f"{root}/sft/{key}/MANIFEST.json") is False
 
     rerun = alignflow(services, *args, "--summary-json", str(tmp_path / "s.json"))
     assert rerun.returncode == 0, rerun.stdout[-3000:]
@@ -143,3 +144,25 @@ def test_bad_input_fails_before_any_job_and_is_not_retried(services, tmp_path):
     new = set(ray_jobs(services)) - set(before)
     assert len(new) == 1  # one job, no retry
     assert f"{data}:41: missing key 'response'" in bad_data.stdout + bad_data.stderr
+
+
+def test_registration_works_with_every_tracking_and_storage_pair(services, tmp_path):
+    """server x S3 and sqlite x local run in tests/e2e/test_graphs.py; here server x local and sqlite x S3."""
+    from mlflow import MlflowClient
+
+    local = alignflow(services, "run", "configs/tiny.yaml", "--set", f"storage.root={tmp_path / 'out'}", "--set", "name=e2e-local",
+                      "--set", "sft.batch.max_steps=4", "--set", "sft.logging.eval_every=4", "--summary-json", str(tmp_path / "l.json"))
+    assert local.returncode == 0, local.stdout[-3000:] + local.stderr[-3000:]
+    reg = json.loads((tmp_path / "l.json").read_text())["registered_model"]
+    version = MlflowClient(services["mlflow"]).get_model_version_by_alias("e2e-local", "candidate")
+    assert version.version == reg["version"] and version.run_id  # a local folder is registered through the run's artifacts
+    exported = alignflow(services, "export", "models:/e2e-local@candidate", str(tmp_path / "serving"))
+    assert exported.returncode == 0 and (tmp_path / "serving" / "model.safetensors").exists(), exported.stderr
+
+    db = f"sqlite:///{tmp_path}/mlflow.db"
+    s3 = alignflow(services, *run_args("s3://alignflow-test/e2e-run", "--set", "name=e2e-sqlite"), "--summary-json",
+                   str(tmp_path / "s.json"), env={"MLFLOW_TRACKING_URI": db})
+    assert s3.returncode == 0, s3.stdout[-3000:] + s3.stderr[-3000:]
+    summary = json.loads((tmp_path / "s.json").read_text())
+    assert summary["mlflow"]["tracking_uri"] == db
+    assert MlflowClient(db).get_model_version_by_alias("e2e-sqlite", "candidate").source.startswith("s3://alignflow-test/e2e-run/sft/")

@@ -18,39 +18,41 @@ def write(tmp_path: Path, text: str) -> Path:
 BASE = f"""\
 name: t
 sft:
+  model:
+    name_or_path: builtin:tiny
   data:
     path: {ROOT}/data/sft/train.jsonl
   optim:
     lr: 1.0e-3
 """
+SFT_LR_LINE = 8
 
 
 @pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.name)
 def test_every_shipped_config_loads(path, monkeypatch):
     monkeypatch.chdir(ROOT)
     cfg = load_config(path)
-    assert cfg.sft is not None
-    assert len(cfg.sft.config_hash()) == 64
+    assert cfg.order() and all(len(cfg.section(n).config_hash()) == 64 for n in cfg.stages)
 
 
 def test_hash_is_stable_across_processes(tmp_path):
     path = write(tmp_path, BASE)
-    here = load_config(path).sft.config_hash()
-    code = f"from alignflow.config import load_config; print(load_config({str(path)!r}).sft.config_hash())"
+    here = load_config(path).section('sft').config_hash()
+    code = f"from alignflow.config import load_config; print(load_config({str(path)!r}).section(\"sft\").config_hash())"
     there = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert here == there
 
 
 def test_hash_changes_with_result_fields_only(tmp_path):
     path = write(tmp_path, BASE)
-    base = load_config(path).sft.config_hash()
-    assert load_config(path, ["sft.optim.lr=2e-3"]).sft.config_hash() != base
-    assert load_config(path, ["sft.data.max_len=64"]).sft.config_hash() != base
-    assert load_config(path, ["sft.batch.seed=7"]).sft.config_hash() != base
+    base = load_config(path).section('sft').config_hash()
+    assert load_config(path, ["sft.optim.lr=2e-3"]).section('sft').config_hash() != base
+    assert load_config(path, ["sft.data.max_len=64"]).section('sft').config_hash() != base
+    assert load_config(path, ["sft.batch.seed=7"]).section('sft').config_hash() != base
     # Names, logging, checkpoint cadence and where things are stored do not change the result.
     for same in ["name=other", "sft.logging.log_every=3", "sft.checkpoint.every_steps=7",
                  f"storage.root={tmp_path}/elsewhere", f"sft.data.eval_path={ROOT}/data/sft/eval.jsonl"]:
-        assert load_config(path, [same]).sft.config_hash() == base, same
+        assert load_config(path, [same]).section('sft').config_hash() == base, same
 
 
 def test_overrides_parse_yaml_values_and_leave_input_alone():
@@ -63,7 +65,7 @@ def test_overrides_parse_yaml_values_and_leave_input_alone():
 def test_config_is_frozen(tmp_path):
     cfg = load_config(write(tmp_path, BASE))
     with pytest.raises(Exception):
-        cfg.sft.optim.lr = 5.0
+        cfg.section('sft').optim.lr = 5.0
 
 
 def test_error_names_file_line_field_and_value(tmp_path):
@@ -71,7 +73,7 @@ def test_error_names_file_line_field_and_value(tmp_path):
     with pytest.raises(ConfigError) as err:
         load_config(path)
     msg = str(err.value)
-    assert f"{path}:6" in msg and "sft.optim.lr" in msg and "greater than 0" in msg and "-1" in msg
+    assert f"{path}:{SFT_LR_LINE}" in msg and "sft.optim.lr" in msg and "greater than 0" in msg and "-1" in msg
 
 
 def test_error_for_unknown_field_and_bad_choice(tmp_path):
@@ -79,8 +81,8 @@ def test_error_for_unknown_field_and_bad_choice(tmp_path):
     with pytest.raises(ConfigError) as err:
         load_config(path)
     msg = str(err.value)
-    assert f"{path}:8: sft.deepspeed.zero_stage" in msg and "0, 1, 2 or 3" in msg and "(got 4)" in msg
-    assert f"{path}:9: sft.deepspeed.zero_stag: Extra inputs are not permitted" in msg
+    assert f"{path}:10: sft.deepspeed.zero_stage" in msg and "0, 1, 2 or 3" in msg and "(got 4)" in msg
+    assert f"{path}:11: sft.deepspeed.zero_stag: Extra inputs are not permitted" in msg
 
 
 def test_error_from_override_names_the_override(tmp_path):
@@ -101,7 +103,7 @@ def test_missing_data_file_fails_at_load(tmp_path):
 def test_relative_data_path_is_resolved_at_parse_time(tmp_path, monkeypatch):
     monkeypatch.chdir(ROOT)
     cfg = load_config(write(tmp_path, BASE), ["sft.data.path=data/sft/train.jsonl"])
-    assert cfg.sft.data.path == str(ROOT / "data/sft/train.jsonl")
+    assert cfg.section('sft').data.path == str(ROOT / "data/sft/train.jsonl")
 
 
 def test_missing_file_and_bad_yaml(tmp_path):
@@ -111,55 +113,30 @@ def test_missing_file_and_bad_yaml(tmp_path):
         load_config(write(tmp_path, "sft: [unclosed"))
 
 
-def test_pipeline_needs_its_sections_and_implemented_stages(tmp_path):
-    with pytest.raises(ConfigError, match="pipeline 'sft' needs a `sft` section"):
-        load_config(write(tmp_path, "name: x\n"))
-    with pytest.raises(ConfigError, match="pipeline 'full' needs a `rm` section"):
-        load_config(write(tmp_path, BASE), ["pipeline=full"])
-    with_rm = ["pipeline=full", f"rm.data.path={ROOT / 'data/preference/train.jsonl'}"]
-    with pytest.raises(ConfigError, match="pipeline 'full' needs a `rl` section"):
-        load_config(write(tmp_path, BASE), with_rm)
-    assert [s.value for s in load_config(write(tmp_path, BASE), with_rm + ["stop_after=rm"]).stages] == ["sft", "rm"]
-    with pytest.raises(ConfigError, match="stop_after='dpo' is not a stage of pipeline 'full'"):
-        load_config(write(tmp_path, BASE), with_rm + ["stop_after=dpo"])
-    with pytest.raises(ConfigError, match="pipeline: Input should be 'sft', 'full', 'grpo', 'dpo' or 'kto'"):
-        load_config(write(tmp_path, BASE), ["pipeline=ppo"])
+def test_retired_pipeline_keys_say_what_replaced_them(tmp_path):
+    with pytest.raises(ConfigError, match="`pipeline:` is no longer a setting: stages are now a graph"):
+        load_config(write(tmp_path, BASE + "pipeline: full\n"))
+    with pytest.raises(ConfigError, match="`stop_after:` is no longer a setting: use `alignflow run --until STAGE`"):
+        load_config(write(tmp_path, BASE), ["stop_after=rm"])
 
 
-def test_stage_lookup_names_the_missing_section(tmp_path):
-    from alignflow.config import Stage
-
+def test_stage_lookup_names_the_missing_stage(tmp_path):
     cfg = load_config(write(tmp_path, BASE))
-    with pytest.raises(ConfigError, match="no `rm` section"):
-        cfg.stage(Stage.RM)
+    with pytest.raises(ConfigError, match="no stage named 'rm' in this config \\(stages: sft\\)"):
+        cfg.section("rm")
 
 
 def test_later_stages_start_from_upstream_and_reject_contradictions(tmp_path):
     pref, kto = ROOT / "data/preference/train.jsonl", ROOT / "data/kto/train.jsonl"
-    cfg = load_config(write(tmp_path, BASE), ["pipeline=dpo", f"dpo.data.path={pref}"])
-    assert cfg.dpo.model.name_or_path is None and cfg.pipeline.inputs(cfg.stages[1]) == (cfg.stages[0],)
-    with pytest.raises(ConfigError, match="dpo.model.name_or_path='builtin:tiny': in pipeline 'dpo' the dpo stage starts from the sft"):
-        load_config(write(tmp_path, BASE), ["pipeline=dpo", f"dpo.data.path={pref}", "dpo.model.name_or_path=builtin:tiny"])
+    cfg = load_config(write(tmp_path, BASE), ["dpo.from=sft", f"dpo.data.path={pref}", "register.stage=dpo"])
+    assert cfg.section("dpo").model.name_or_path is None and cfg.inputs_of("dpo") == {"from": "sft"}
+    with pytest.raises(ConfigError, match="dpo: two starting models: from: 'sft' and model.name_or_path='builtin:tiny'"):
+        load_config(write(tmp_path, BASE), ["dpo.from=sft", f"dpo.data.path={pref}", "dpo.model.name_or_path=builtin:tiny"])
+    rm = ["rm.from=sft", f"rm.data.path={pref}", "register.stage=sft"]
     with pytest.raises(ConfigError, match="margin_key='m' needs loss: sigmoid, not 'logexp'"):
-        load_config(write(tmp_path, BASE), [f"rm.data.path={pref}", "rm.data.margin_key=m", "rm.loss=logexp"])
+        load_config(write(tmp_path, BASE), [*rm, "rm.data.margin_key=m", "rm.loss=logexp"])
     with pytest.raises(ConfigError, match="label_smoothing=0.1 is cDPO: it needs loss: dpo, not 'ipo'"):
-        load_config(write(tmp_path, BASE), [f"dpo.data.path={pref}", "dpo.loss=ipo", "dpo.label_smoothing=0.1"])
-    with pytest.raises(ConfigError, match="kto.batch.global_batch_size|global_batch_size must be >= 2"):
-        load_config(write(tmp_path, BASE), [f"kto.data.path={kto}", "kto.batch.global_batch_size=1", "kto.batch.micro_batch_size=1"])
-
-
-def test_prefect_yaml_deployments_match_the_shipped_configs(tmp_path, monkeypatch):
-    import yaml
-
-    monkeypatch.chdir(ROOT)
-    spec = yaml.safe_load((ROOT / "prefect.yaml").read_text())
-    tiny = yaml.safe_load((ROOT / "configs/tiny.yaml").read_text())
-    for section in ("sft", "rm", "dpo", "kto", "rl"):
-        assert spec["definitions"]["tiny"][section] == tiny[section], section
-    configs = {}
-    for deployment in spec["deployments"]:
-        path = tmp_path / f"{deployment['name']}.yaml"
-        path.write_text(yaml.safe_dump(deployment["parameters"]["config"]))
-        configs[deployment["name"]] = load_config(path)  # every deployment's parameters are a valid config
-    assert configs["full"].rl == load_config(ROOT / "configs/tiny-ppo.yaml").rl  # full = PPO as in tiny-ppo.yaml
-    assert configs["grpo"].rl == load_config(ROOT / "configs/tiny.yaml").rl
+        load_config(write(tmp_path, BASE), ["dpo.from=sft", f"dpo.data.path={pref}", "dpo.loss=ipo", "dpo.label_smoothing=0.1"])
+    with pytest.raises(ConfigError, match="global_batch_size must be >= 2"):
+        load_config(write(tmp_path, BASE), ["kto.from=sft", f"kto.data.path={kto}", "kto.batch.global_batch_size=1",
+                                            "kto.batch.micro_batch_size=1"])

@@ -1,4 +1,9 @@
-"""The command line every stage module shares: `python -m alignflow.stages.<stage> --config FILE`."""
+"""The one command line every stage runs by: `python -m alignflow.stages --config FILE --stage NAME`.
+
+The stage's kind (from the config) picks its module, imported only then: a stage job imports what its
+own stage needs. Exit codes are `alignflow.exit_codes`: bad input (config, data, code or model path of the
+user's) is never retried.
+"""
 
 from __future__ import annotations
 
@@ -6,42 +11,49 @@ import argparse
 import json
 import os
 import sys
+from importlib import import_module
 from typing import Any, Callable
 
 from alignflow.config import ConfigError, PipelineConfig, load_config
-from alignflow.stages.common.data import DataError
+from alignflow.exit_codes import BAD_INPUT
 
-
-StageMain = Callable[[PipelineConfig, "str | None", "dict[str, str] | None"], dict[str, Any]]
+StageMain = Callable[..., dict[str, Any]]  # main(cfg, stage, output_uri, inputs, expected_key)
 
 
 def parse_inputs(items: list[str]) -> dict[str, str]:
-    """`--input sft=s3://…/sft/<key>` items -> {"sft": uri}."""
+    """`--input from=s3://…/sft/<key>` items -> {"from": uri}."""
     out = {}
     for item in items:
-        name, sep, uri = item.partition("=")
-        if not sep or not name.strip() or not uri.strip():
-            raise ConfigError(f"--input {item!r} is not of the form STAGE=URI (e.g. sft=outputs/tiny/sft/<cache key>)")
-        out[name.strip()] = uri.strip()
+        role, sep, uri = item.partition("=")
+        if not sep or not role.strip() or not uri.strip():
+            raise ConfigError(f"--input {item!r} is not of the form ROLE=URI (e.g. from=outputs/tiny/sft/<cache key>)")
+        out[role.strip()] = uri.strip()
     return out
 
 
-def run_stage_cli(main: StageMain, stage: str, argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog=f"python -m alignflow.stages.{stage}")
+def stage_main(cfg: PipelineConfig, stage: str) -> StageMain:
+    return import_module(f"{cfg.kind(stage).module}.stage").main
+
+
+def run_stage_cli(argv: list[str] | None = None) -> int:
+    from alignflow.stages.common.data import DataError
+
+    parser = argparse.ArgumentParser(prog="python -m alignflow.stages")
     parser.add_argument("--config", required=True, help="pipeline config YAML")
+    parser.add_argument("--stage", required=True, help="the stage's name in the config")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="override, e.g. sft.optim.lr=1e-4")
-    parser.add_argument("--output", default=None, help="publish here instead of {storage.root}/{name}/{stage}/{cache_key}")
-    parser.add_argument("--input", dest="inputs", action="append", default=[], metavar="STAGE=URI",
-                        help="a published upstream output to start from, e.g. sft=outputs/tiny/sft/<cache key> "
-                             "(default: found from the config, when that stage has been run)")
+    parser.add_argument("--output", default=None, help="publish here instead of {storage.root}/{kind}/{cache_key}")
+    parser.add_argument("--input", dest="inputs", action="append", default=[], metavar="ROLE=URI",
+                        help="a published upstream output, e.g. from=outputs/tiny/sft/<cache key> (default: found from the config)")
+    parser.add_argument("--cache-key", default=None, help="the key the caller computed; the stage refuses to run under another")
     parser.add_argument("--summary-json", default=None, help="write the stage summary as JSON to this path")
     args = parser.parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
-        summary = main(cfg, args.output, parse_inputs(args.inputs) or None)
+        summary = stage_main(cfg, args.stage)(cfg, args.stage, args.output, parse_inputs(args.inputs) or None, args.cache_key)
     except (ConfigError, DataError) as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return BAD_INPUT
     if args.summary_json and os.environ.get("RANK", "0") == "0":  # one writer when several workers run
         with open(args.summary_json, "w") as f:
             json.dump(summary, f, indent=2)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from alignflow.config import ModelConfig
+from alignflow.config.base import ModelConfig
 from alignflow.infra import storage
 from alignflow.stages.common.builtin_model import cache_root, is_builtin, resolve_builtin
 

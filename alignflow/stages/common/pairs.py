@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from alignflow.config import PreferenceDataConfig
+from alignflow.config.base import PreferenceDataConfig
 from alignflow.stages.common.data import DataError, Sample, chat_prompt_text, encode, load_rows, require_str, response_sample
 from alignflow.stages.common.logprobs import sourced_logprobs
 

@@ -14,7 +14,7 @@ from typing import Callable
 
 import torch
 
-from alignflow.config import BatchConfig
+from alignflow.config.base import BatchConfig
 from alignflow.stages.common.data import global_batch, rank_micro_batches
 from alignflow.stages.common.strategy import Strategy
 

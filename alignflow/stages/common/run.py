@@ -1,6 +1,6 @@
 """What every training stage does around its own math, written once.
 
-A stage reads: `run = TrainingRun(cfg, Stage.X, output_uri, inputs)`; return the cached
+A stage reads: `run = TrainingRun(cfg, name, output_uri, inputs, expected_key)`; return the cached
 result if `run.done`; load data and model; `run.start(...)` (checkpoints, resume, metrics,
 MLflow); `run.train(train_step, evaluate)`; `run.publish(...)`. The step and evaluation
 functions are the stage's own; cadence of eval, checkpoints and logs is handled here.
@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
-from alignflow.config import ConfigError, PipelineConfig, Stage, dump_config
+from alignflow.config import ConfigError, PipelineConfig, dump_config
 from alignflow.infra import manifest, storage
 from alignflow.lineage import data_inputs, data_sources, input_digests, locate_inputs, stage_cache_key, stage_output_uri
 from alignflow.stages.common.checkpoint import Checkpointer, staging_dir
@@ -24,7 +24,7 @@ from alignflow.stages.common.strategy import Strategy
 from alignflow.stages.common.tracking import StageTracking, plot_curves
 
 FAIL_AT_STEP_ENV = "ALIGNFLOW_FAIL_AT_STEP"  # tests: crash after this optimizer step (after its checkpoint)
-BASE_MODEL_INPUT = "sft"  # the upstream output a later stage starts from
+BASE_MODEL_INPUT = "from"  # the input role of the model a stage starts from
 
 
 class InjectedFailure(RuntimeError):
@@ -40,6 +40,14 @@ def total_steps(num_train: int, section, unit: str = "rows", per_step: tuple[str
         raise DataError(f"{num_train} training {unit} are fewer than {name}={size}: not one step")
     steps = per_epoch * section.batch.epochs
     return min(steps, section.batch.max_steps) if section.batch.max_steps else steps
+
+
+def check_cache_key(stage: str, key: str, expected: str | None) -> None:
+    """The task computed the key it waits on; a different one here means the data or an input changed in
+    between (or the two sides run different code): refuse, as bad input, rather than publish elsewhere."""
+    if expected is not None and key != expected:
+        raise ConfigError(f"{stage}: this job's cache key {key} differs from the one the flow computed ({expected}): "
+                          "the stage's data, code or inputs changed after the flow started; run it again")
 
 
 class Trainer(Protocol):
@@ -79,13 +87,15 @@ class LocalTrainer:
 class TrainingRun:
     """One attempt at one stage: where it publishes, what it starts from, its metrics and checkpoints."""
 
-    def __init__(self, cfg: PipelineConfig, stage: Stage, output_uri: str | None = None, inputs: dict[str, str] | None = None):
+    def __init__(self, cfg: PipelineConfig, stage: str, output_uri: str | None = None, inputs: dict[str, str] | None = None,
+                 expected_key: str | None = None):
         self.clock = Timer()
-        self.cfg, self.stage, self.section = cfg, stage, cfg.stage(stage)
+        self.cfg, self.stage, self.section = cfg, stage, cfg.section(stage)
         self.inputs = dict(inputs) if inputs else locate_inputs(cfg, stage)  # name -> published stage URI
         self.input_digests = input_digests(self.inputs)
         self.fingerprints = data_inputs(self.section)  # hashed once: the cache key and the manifest both use it
         self.key = stage_cache_key(cfg, stage, self.input_digests, data=self.fingerprints)
+        check_cache_key(stage, self.key, expected_key)
         self.out = output_uri or stage_output_uri(cfg, stage, self.key)
         self.done = manifest.verify(self.out)
         self.staging = staging_dir(self.key)
@@ -94,8 +104,8 @@ class TrainingRun:
         self.resumed_state: dict[str, Any] = {}  # the client state of the checkpoint a run resumed from
 
     def cached_result(self) -> dict[str, Any]:
-        print(f"{self.stage.value}: already complete at {self.out} (cache key {self.key})", flush=True)
-        return {"stage": self.stage.value, "uri": self.out, "cache_key": self.key, "cached": True,
+        print(f"{self.stage}: already complete at {self.out} (cache key {self.key})", flush=True)
+        return {"stage": self.stage, "uri": self.out, "cache_key": self.key, "cached": True,
                 "metrics": self.done.meta.get("metrics", {})}
 
     # ------------------------------------------------------------------ setup
@@ -108,7 +118,7 @@ class TrainingRun:
     def base_model(self) -> str:
         """Local folder (or hub name) of the model this stage starts from."""
         given, upstream = self.section.model.name_or_path, self.inputs.get(BASE_MODEL_INPUT)
-        name = self.stage.value
+        name = self.stage
         if given and upstream:
             raise ConfigError(f"{name}: two starting models: {name}.model.name_or_path={given!r} and the input "
                               f"{BASE_MODEL_INPUT}={upstream}; give one")
@@ -116,11 +126,8 @@ class TrainingRun:
             return fetch_published_model(upstream, self.input_digests[BASE_MODEL_INPUT])
         if given:
             return resolve_model_path(given)
-        pipeline = {Stage.RM: "full", Stage.RL: "grpo"}.get(self.stage, self.stage.value)
-        raise ConfigError(
-            f"{name}: no SFT model given to start from: run it in a pipeline after sft (e.g. pipeline: {pipeline}), "
-            f"pass --input sft=<published sft folder>, or set {name}.model.name_or_path"
-        )
+        raise ConfigError(f"{name}: no model to start from: set `{name}.from: <stage>` or {name}.model.name_or_path, "
+                          f"or pass --input from=<published stage folder>")
 
     def start(self, strategy: Strategy, total_steps: int, headline: str, evaluate: Callable[[], dict[str, float]]) -> int:
         """Checkpoints, resume, metrics log and MLflow for a stage trained in this process."""
@@ -148,7 +155,7 @@ class TrainingRun:
             return 0, []
         state = self.resumed_state = self.trainer.load_checkpoint(step)
         if self.trainer.is_main:
-            print(f"{self.stage.value}: resumed from checkpoint at step {step}", flush=True)
+            print(f"{self.stage}: resumed from checkpoint at step {step}", flush=True)
         return step, state.get("history", [])
 
     # ------------------------------------------------------------------ train
@@ -178,7 +185,7 @@ class TrainingRun:
     def publish(self, tokenizer, curves: list[str], data_stats: dict[str, Any], final: dict[str, float] | None = None) -> dict[str, Any]:
         """HF model + config + metrics + curves + model card, manifest last; artifacts to MLflow.
         `final`: figures computed after training (they join the summary and MLflow)."""
-        trainer, name = self.trainer, self.stage.value
+        trainer, name = self.trainer, self.stage
         if final:
             self.tracking.log_metrics(self.total_steps, final)
         summary = {**self.log.summary(), **(final or {}), **self.timings}

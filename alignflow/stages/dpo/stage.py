@@ -16,7 +16,8 @@ from typing import Any
 
 import torch
 
-from alignflow.config import DPOConfig, PipelineConfig, Stage
+from alignflow.config import PipelineConfig
+from alignflow.stages.dpo.config import DPOConfig
 from alignflow.stages.common.checkpoint import seed_everything
 from alignflow.stages.common.models import load_causal_lm, load_tokenizer
 from alignflow.stages.common.pairs import Pair, load_pairs, pair_logps
@@ -31,9 +32,10 @@ CURVES = ["loss", "rewards/accuracy", "rewards/margin", "eval/rewards/accuracy",
 Reference = dict[str, torch.Tensor]  # {"chosen": (n,), "rejected": (n,)} summed log-probs
 
 
-def main(cfg: PipelineConfig, output_uri: str | None = None, inputs: dict[str, str] | None = None) -> dict[str, Any]:
+def main(cfg: PipelineConfig, stage: str, output_uri: str | None = None, inputs: dict[str, str] | None = None,
+         expected_key: str | None = None) -> dict[str, Any]:
     # ------------------------------------------------------------------ setup
-    run = TrainingRun(cfg, Stage.DPO, output_uri, inputs)
+    run = TrainingRun(cfg, stage, output_uri, inputs, expected_key)
     if run.done:
         return run.cached_result()
     dpo = run.section

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from alignflow.config import KTODataConfig
+from alignflow.stages.kto.config import KTODataConfig
 from alignflow.stages.common.data import DataError, Sample, chat_prompt_text, encode, load_rows, require_str, response_sample
 
 

@@ -18,7 +18,8 @@ from typing import Any
 
 import torch
 
-from alignflow.config import KTOConfig, PipelineConfig, Stage
+from alignflow.config import PipelineConfig
+from alignflow.stages.kto.config import KTOConfig
 from alignflow.stages.common.checkpoint import seed_everything
 from alignflow.stages.common.data import Sample, global_batch
 from alignflow.stages.common.models import load_causal_lm, load_tokenizer
@@ -51,9 +52,10 @@ def lengths(samples: list[Sample]) -> list[int]:
     return [len(s) for s in samples]
 
 
-def main(cfg: PipelineConfig, output_uri: str | None = None, inputs: dict[str, str] | None = None) -> dict[str, Any]:
+def main(cfg: PipelineConfig, stage: str, output_uri: str | None = None, inputs: dict[str, str] | None = None,
+         expected_key: str | None = None) -> dict[str, Any]:
     # ------------------------------------------------------------------ setup
-    run = TrainingRun(cfg, Stage.KTO, output_uri, inputs)
+    run = TrainingRun(cfg, stage, output_uri, inputs, expected_key)
     if run.done:
         return run.cached_result()
     kto = run.section

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from alignflow.config import Estimator  # noqa: F401 (the choice lives with the config; dispatched here)
+from alignflow.stages.rl.config import Estimator  # noqa: F401 (the choice lives with the config; dispatched here)
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from alignflow.config import PromptDataConfig
+from alignflow.config.base import PromptDataConfig
 from alignflow.stages.common.data import DataError, chat_prompt_text, encode, load_rows, require_str
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from alignflow.config import KLEstimator
+from alignflow.stages.rl.config import KLEstimator
 
 
 def kl_per_token(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: KLEstimator, clamp: float = 20.0) -> torch.Tensor:

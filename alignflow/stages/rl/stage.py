@@ -26,7 +26,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from alignflow.config import ConfigError, PipelineConfig, RLConfig, Stage
+from alignflow.config import ConfigError, PipelineConfig
+from alignflow.stages.rl.config import RLConfig
 from alignflow.infra import manifest, storage
 from alignflow.stages.common.data import global_batch
 from alignflow.stages.common.generation import Rollout, SamplingParams
@@ -50,9 +51,10 @@ class EngineError(RuntimeError):
 CURVES = ["reward/mean", "eval/reward", "success", "eval/success", "kl", "policy_loss", "entropy", "response_length"]
 
 
-def main(cfg: PipelineConfig, output_uri: str | None = None, inputs: dict[str, str] | None = None) -> dict[str, Any]:
+def main(cfg: PipelineConfig, stage: str, output_uri: str | None = None, inputs: dict[str, str] | None = None,
+         expected_key: str | None = None) -> dict[str, Any]:
     # ------------------------------------------------------------------ setup
-    run = TrainingRun(cfg, Stage.RL, output_uri, inputs)
+    run = TrainingRun(cfg, stage, output_uri, inputs, expected_key)
     if run.done:
         return run.cached_result()
     rl = run.section
@@ -88,10 +90,10 @@ def main(cfg: PipelineConfig, output_uri: str | None = None, inputs: dict[str, s
 def reward_model_path(run: TrainingRun, rl: RLConfig) -> str | None:
     if not rl.reward.model:
         return None
-    if "rm" not in run.inputs:
-        raise ConfigError("rl.reward.model: true scores with the reward model of the rm stage: run the `full` pipeline, "
-                          "or pass --input rm=<published rm folder>")
-    return fetch_published_model(run.inputs["rm"], run.input_digests["rm"])
+    if "reward_model" not in run.inputs:
+        raise ConfigError(f"{run.stage}.reward.model={rl.reward.model!r} scores with that rm stage's model: run it first, "
+                          "or pass --input reward_model=<published rm folder>")
+    return fetch_published_model(run.inputs["reward_model"], run.input_digests["reward_model"])
 
 
 def make_executor(rl: RLConfig, tokenizer, roles: "Roles", function: FunctionReward | None, environment) -> Executor:

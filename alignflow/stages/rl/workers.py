@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from alignflow.config import RLConfig
+from alignflow.stages.rl.config import RLConfig
 from alignflow.infra import storage
 from alignflow.stages.common.checkpoint import Checkpointer, seed_everything, staging_dir
 from alignflow.stages.common.data import rank_micro_batches

@@ -17,7 +17,8 @@ from typing import Any
 
 import torch
 
-from alignflow.config import PipelineConfig, RMConfig, Stage
+from alignflow.config import PipelineConfig
+from alignflow.stages.rm.config import RMConfig
 from alignflow.stages.common.checkpoint import seed_everything
 from alignflow.stages.common.models import REWARD_MEAN, REWARD_STD, load_reward_model, load_tokenizer
 from alignflow.stages.common.pairs import Pair, load_pairs, pair_rewards
@@ -30,9 +31,10 @@ from alignflow.stages.rm.losses import pairwise_loss
 CURVES = ["loss", "accuracy", "margin", "eval/accuracy", "eval/margin", "pairs_per_s"]
 
 
-def main(cfg: PipelineConfig, output_uri: str | None = None, inputs: dict[str, str] | None = None) -> dict[str, Any]:
+def main(cfg: PipelineConfig, stage: str, output_uri: str | None = None, inputs: dict[str, str] | None = None,
+         expected_key: str | None = None) -> dict[str, Any]:
     # ------------------------------------------------------------------ setup
-    run = TrainingRun(cfg, Stage.RM, output_uri, inputs)
+    run = TrainingRun(cfg, stage, output_uri, inputs, expected_key)
     if run.done:
         return run.cached_result()
     rm = run.section

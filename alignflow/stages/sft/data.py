@@ -8,7 +8,7 @@ token boundary never straddles prompt and response.
 
 from __future__ import annotations
 
-from alignflow.config import DataConfig
+from alignflow.stages.sft.config import DataConfig
 from alignflow.stages.common.data import DataError, Sample, chat_prompt_text, encode, load_rows, require_str
 
 

@@ -17,7 +17,8 @@ from typing import Any
 
 import torch
 
-from alignflow.config import PipelineConfig, SFTConfig, Stage
+from alignflow.config import PipelineConfig
+from alignflow.stages.sft.config import SFTConfig
 from alignflow.stages.common.checkpoint import seed_everything
 from alignflow.stages.common.data import Sample, collate, global_batch, pack, rank_micro_batches
 from alignflow.stages.common.logprobs import forward_logprobs, sequence_logprobs
@@ -42,9 +43,10 @@ class SFTData:
         return [len(s) for s in self.train]
 
 
-def main(cfg: PipelineConfig, output_uri: str | None = None, inputs: dict[str, str] | None = None) -> dict[str, Any]:
+def main(cfg: PipelineConfig, stage: str, output_uri: str | None = None, inputs: dict[str, str] | None = None,
+         expected_key: str | None = None) -> dict[str, Any]:
     # ------------------------------------------------------------------ setup
-    run = TrainingRun(cfg, Stage.SFT, output_uri, inputs)
+    run = TrainingRun(cfg, stage, output_uri, inputs, expected_key)
     if run.done:
         return run.cached_result()
     sft = run.section

@@ -1,0 +1,263 @@
+"""The parts every stage config shares, and config hashing (torch-free).
+
+Each stage kind's own schema lives beside its stage (`alignflow/stages/<kind>/config.py`);
+the graph of named stages is `alignflow/config/graph.py`; YAML loading is
+`alignflow/config/loading.py`.
+
+`config_hash()` covers only the fields that change a stage's result: fields
+marked `result=False` (run names, logging and checkpoint cadence, where the
+output goes, the names of other stages) are left out, and so are data paths,
+whose content enters the cache key as a fingerprint instead.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+NOT_RESULT = {"result": False}  # json_schema_extra marker: field left out of config_hash()
+DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
+
+
+class ConfigError(ValueError):
+    """A config that cannot be used, with where and why."""
+
+
+class Frozen(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, use_enum_values=False, populate_by_name=True)
+
+
+# --------------------------------------------------------------------------- shared parts
+
+
+class ModelConfig(Frozen):
+    name_or_path: str | None = Field(None, description="`builtin:tiny`, `builtin:small`, a local HF folder, or a hub name; "
+                                                       "unset: the model of the stage named by `from:`.")
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="Dtype the weights are loaded and trained in.")
+    attn_implementation: Literal["sdpa", "eager"] = "sdpa"
+    gradient_checkpointing: bool = False
+
+
+class DataSource(Frozen):
+    """Where a stage's rows come from and how they are cut; every stage's data config extends it."""
+
+    path: str = Field(..., description="JSONL/Parquet file, a local HF dataset folder, or a `datasets` name.", json_schema_extra=NOT_RESULT)
+    split: str = "train"
+    eval_path: str | None = Field(None, description="Held-out file; without it `eval_fraction` of the rows is held out.", json_schema_extra=NOT_RESULT)
+    eval_fraction: float = Field(0.05, ge=0.0, lt=1.0)
+    max_len: int = Field(128, ge=8, description="Tokens per sample (or per packed row); longer responses are truncated.")
+    on_bad_row: Literal["error", "skip"] = Field("error", description="Bad rows stop the run, or are skipped and counted.")
+    max_samples: int | None = Field(None, ge=1)
+
+    @field_validator("path", "eval_path")
+    @classmethod
+    def _local_paths_exist(cls, v: str | None) -> str | None:
+        # A relative local path is made absolute here, at parse time, so the resolved
+        # config travels to a Ray job unchanged; a missing file fails before any work.
+        if v is None or "://" in v:
+            return v
+        p = Path(v).expanduser()
+        if p.exists():
+            return str(p.resolve())
+        if p.suffix in DATA_SUFFIXES or v.startswith((".", "/", "~")):
+            raise ValueError(f"data file not found: {v!r} (relative paths are resolved against {Path.cwd()})")
+        return v  # a `datasets` hub name
+
+
+
+
+class PreferenceDataConfig(DataSource):
+    """Pairs for rm and dpo: a prompt, a chosen and a rejected response (plain strings)."""
+
+    prompt_key: str = "prompt"
+    chosen_key: str = "chosen"
+    rejected_key: str = "rejected"
+    margin_key: str | None = Field(None, description="Optional per-pair margin column (rm with the sigmoid loss).")
+
+
+
+class PromptDataConfig(DataSource):
+    """Prompts for the rl stage. Every other column of a row (e.g. `answer`) reaches the reward function."""
+
+    prompt_key: str = "prompt"
+
+
+
+class OptimConfig(Frozen):
+    lr: float = Field(1e-3, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = Field(1e-8, gt=0)
+    scheduler: Literal["cosine", "constant"] = "cosine"
+    warmup_steps: int = Field(0, ge=0)
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    grad_clip: float = Field(1.0, ge=0, description="Max global grad norm; 0 disables clipping.")
+
+
+class BatchConfig(Frozen):
+    global_batch_size: int = Field(32, ge=1, description="Samples (or packed rows) per optimizer step, over all workers.")
+    micro_batch_size: int = Field(8, ge=1, description="Samples per forward/backward on one worker.")
+    epochs: int = Field(1, ge=1)
+    max_steps: int | None = Field(None, ge=1, description="Stop after this many optimizer steps (caps epochs).")
+    seed: int = 42
+
+
+class DeepSpeedConfig(Frozen):
+    zero_stage: Literal[0, 1, 2, 3] = 0
+    offload_optimizer: bool = False
+    precision: Literal["fp32", "bf16"] = "fp32"
+
+
+class CheckpointConfig(Frozen):
+    every_steps: int = Field(50, ge=1, json_schema_extra=NOT_RESULT)
+    keep_last: int = Field(2, ge=1, json_schema_extra=NOT_RESULT)
+
+
+class LoggingConfig(Frozen):
+    log_every: int = Field(10, ge=1, json_schema_extra=NOT_RESULT)
+    eval_every: int = Field(50, ge=1, json_schema_extra=NOT_RESULT)
+    progress: bool = Field(True, json_schema_extra=NOT_RESULT)
+
+
+class StorageConfig(Frozen):
+    root: str = Field("./outputs", description="Local folder or `s3://bucket/prefix` where stages publish.")
+
+    @field_validator("root")
+    @classmethod
+    def _absolute_local_root(cls, v: str) -> str:
+        return v if "://" in v else str(Path(v).expanduser().resolve())
+
+
+
+
+class RayConfig(Frozen):
+    address: str | None = Field(None, description="Ray dashboard/Jobs API URL (http://host:8265) of an existing cluster; "
+                                                  "unset: alignflow starts a local head on 127.0.0.1 (or uses ALIGNFLOW_RAY_ADDRESS).")
+    num_cpus: int | None = Field(None, ge=1, description="CPUs of the local head (default: all).")
+    job_timeout_s: int = Field(6 * 3600, ge=1, description="A stage job running longer is stopped and failed.")
+    retries: int = Field(2, ge=0, description="Retries of a stage whose job died for a reason a retry can fix.")
+    retry_delay_s: int = Field(5, ge=0)
+    max_parallel_stages: int = Field(3, ge=1, description="Stage jobs of one run that may run at once (independent branches "
+                                                          "of the graph); torch threads are shared out between them.")
+
+
+class TrackingConfig(Frozen):
+    uri: str | None = Field(None, description="MLflow tracking URI; unset: MLFLOW_TRACKING_URI, else a local sqlite store.")
+    experiment: str = "alignflow"
+
+
+class TrainingSection(Frozen):
+    """What every training stage has: its starting model (`from:` another stage, or `model.name_or_path`),
+    optimizer, batch, DeepSpeed, checkpoints, logging."""
+
+    from_: str | None = Field(None, alias="from", description="The stage whose published model this one starts from.",
+                              json_schema_extra=NOT_RESULT)  # a name: its output's digest enters the cache key instead
+    model: ModelConfig = ModelConfig()
+    data: DataSource  # each stage narrows it to its own rows
+    optim: OptimConfig = OptimConfig()
+    batch: BatchConfig = BatchConfig()
+    deepspeed: DeepSpeedConfig = DeepSpeedConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    logging: LoggingConfig = LoggingConfig()
+
+    @model_validator(mode="after")
+    def _batch_divides(self) -> "TrainingSection":
+        if self.batch.global_batch_size % self.batch.micro_batch_size:
+            raise ValueError(
+                f"batch.global_batch_size ({self.batch.global_batch_size}) must be a multiple of "
+                f"batch.micro_batch_size ({self.batch.micro_batch_size})"
+            )
+        return self
+
+    def edges(self) -> dict[str, str]:
+        """Input role -> the stage it names: `from` is the model this stage starts from."""
+        return {"from": self.from_} if self.from_ else {}
+
+    def config_hash(self) -> str:
+        return stable_hash(result_fields(self))
+
+    def sources(self) -> dict[str, str]:
+        """Named files the result depends on (their content enters the cache key, not their paths)."""
+        return {"data": self.data.path, **({"eval_data": self.data.eval_path} if self.data.eval_path else {})}
+
+
+class GenerationConfig(Frozen):
+    """Rollout generation. `hf` is the default: it needs no extra install and is the faster engine for the
+    tiny model every CPU config uses; `vllm` is faster from ~25M parameters on, on CPU too, and is the
+    engine for GPUs (benchmarks/RESULTS.md)."""
+
+    engine: Literal["hf", "vllm"] = Field("hf", description="Rollout backend: `hf` (transformers, KV cache) or `vllm`.")
+    engines: int = Field(1, ge=1, description="Rollout engines (Ray actors); prompts are sharded over them.")
+    tensor_parallel_size: int = Field(1, ge=1, description="GPUs per vLLM engine.", json_schema_extra=NOT_RESULT)
+    gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="vLLM's share of each GPU (weights + KV cache).",
+                                          json_schema_extra=NOT_RESULT)
+    sleep: bool = Field(False, description="vLLM engines free their GPU memory while the colocated roles train "
+                                           "(needs GPUs and workers.colocate: all).", json_schema_extra=NOT_RESULT)
+    max_new_tokens: int = Field(16, ge=1)
+    temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0, description="0 = off")
+    stop_token_ids: tuple[int, ...] = Field((), description="Tokens that end a response besides EOS (kept in it).")
+    n_samples_per_prompt: int = Field(1, ge=1, description="Responses sampled per prompt (a group, for group estimators).")
+    batch_size: int = Field(64, ge=1, description="Sequences per generation call (hf).", json_schema_extra=NOT_RESULT)
+    importance_cap: float | None = Field(
+        None, gt=0, description="Truncated importance sampling: weight each token's policy loss by "
+                                "min(π_trainer/π_engine, cap) when the engine's kernels differ from the trainer's (off: None).")
+
+    @model_validator(mode="after")
+    def _engine_options(self) -> "GenerationConfig":
+        if self.engine == "hf" and (self.tensor_parallel_size > 1 or self.sleep):
+            raise ValueError("generation.tensor_parallel_size and generation.sleep are vLLM options: set generation.engine: vllm")
+        return self
+
+
+def python_object_spec(v: str, what: str, form: str) -> str:
+    """`path/to/file.py:name` whose file exists, made absolute (relative paths: against the working directory)."""
+    path, sep, name = v.rpartition(":")
+    if not sep or not path or not name.isidentifier():
+        raise ValueError(f"{what} {v!r} is not of the form path/to/file.py:{form}")
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise ValueError(f"{what} file not found: {path!r} (relative paths are resolved against {Path.cwd()})")
+    return f"{file.resolve()}:{name}"
+
+
+
+# --------------------------------------------------------------------------- hashing
+
+
+def result_fields(model: BaseModel) -> dict[str, Any]:
+    """The model as plain JSON data, without the fields marked `result=False`."""
+    out: dict[str, Any] = {}
+    for name, field in type(model).model_fields.items():
+        extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
+        if extra.get("result") is False:
+            continue
+        value = getattr(model, name)
+        out[name] = result_fields(value) if isinstance(value, BaseModel) else _plain(value)
+    return out
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, BaseModel):
+        return result_fields(value)
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    return value
+
+
+def stable_hash(data: Any) -> str:
+    """sha256 of canonical JSON: sorted keys, no whitespace, floats as repr."""
+    blob = json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+

@@ -1,0 +1,4 @@
+"""Exit codes a stage job and the orchestration agree on (defined once, imported by both sides)."""
+
+OK = 0
+BAD_INPUT = 2  # the user's config, data, code or model path: a retry cannot help, so it is never retried

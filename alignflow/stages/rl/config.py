@@ -1,0 +1,187 @@
+"""The rl stage's config (torch-free): PPO, GRPO, Dr. GRPO, REINFORCE++(-baseline), RLOO."""
+
+from __future__ import annotations
+
+import enum
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from alignflow.config.base import NOT_RESULT, Frozen, GenerationConfig, OptimConfig, PromptDataConfig, TrainingSection, python_object_spec
+
+
+class Estimator(str, enum.Enum):
+    GAE = "gae"  # PPO with a critic (Schulman et al. 2016)
+    REINFORCE = "reinforce"  # REINFORCE++ (Hu et al. 2025)
+    REINFORCE_BASELINE = "reinforce_baseline"  # REINFORCE++-baseline (Hu et al. 2025)
+    RLOO = "rloo"  # Ahmadian et al. 2024
+    GROUP_NORM = "group_norm"  # GRPO (Shao et al. 2024)
+    DR_GRPO = "dr_grpo"  # Dr. GRPO (Liu et al. 2025)
+
+    @property
+    def needs_critic(self) -> bool:
+        return self == Estimator.GAE
+
+    @property
+    def is_group(self) -> bool:
+        """Its baseline comes from the other samples of the same prompt: n_samples_per_prompt >= 2."""
+        return self in (Estimator.REINFORCE_BASELINE, Estimator.RLOO, Estimator.GROUP_NORM, Estimator.DR_GRPO)
+
+    @property
+    def whitens(self) -> bool:
+        """Advantages normalised over the whole batch (REINFORCE++'s global normalisation)."""
+        return self in (Estimator.REINFORCE, Estimator.REINFORCE_BASELINE)
+
+
+class KLEstimator(str, enum.Enum):
+    K1 = "k1"
+    K2 = "k2"
+    K3 = "k3"
+
+
+
+class RewardConfig(Frozen):
+    """Where single-turn rewards come from: exactly one of `function` and `model`, unless `rl.environment`
+    gives the rewards (then neither)."""
+
+    function: str | None = Field(None, description="`path/to/file.py:name`: called with prompts, completions, their token "
+                                                   "ids and the rows' other columns; returns one float per sample.",
+                                 json_schema_extra=NOT_RESULT)  # enters the cache key as the file's content hash
+    model: str | None = Field(None, description="The rm stage to score with (its name); a PPO critic starts from it too.",
+                              json_schema_extra=NOT_RESULT)  # a name: its output's digest enters the cache key instead
+    normalize: bool = Field(True, description="Reward-model scores as (s - mean) / std with the rm stage's stored figures.")
+    overlong_buffer: int = Field(0, ge=0, description="DAPO's soft overlong penalty: the last N tokens before max_new_tokens.")
+    overlong_penalty: float = Field(1.0, ge=0, description="Penalty at max_new_tokens, linear over the buffer.")
+
+    @field_validator("function")
+    @classmethod
+    def _function_file_exists(cls, v: str | None) -> str | None:
+        return v if v is None else python_object_spec(v, "reward function", "function_name")
+
+
+class EnvironmentConfig(Frozen):
+    """A multi-turn environment (`stages/rl/executors.py`): the policy answers, the environment replies with an
+    observation, a reward and whether the episode is done, for up to `max_turns` answers. Its rewards replace
+    `reward.function` / `reward.model`; `reward.overlong_*` still applies, to each answer."""
+
+    path: str = Field(..., description="`path/to/file.py:ClassName`: a class with reset(row) -> observation and "
+                                       "step(action) -> (observation, reward, done); one instance per episode.",
+                      json_schema_extra=NOT_RESULT)  # enters the cache key as the file's content hash
+    max_turns: int = Field(3, ge=1, description="Policy answers per episode at most; the episode ends after the last.")
+
+    @field_validator("path")
+    @classmethod
+    def _file_exists(cls, v: str) -> str:
+        return python_object_spec(v, "environment", "ClassName")
+
+
+class AdvantageConfig(Frozen):
+    estimator: Estimator = Field(Estimator.GROUP_NORM, description="gae | reinforce | reinforce_baseline | rloo | group_norm | dr_grpo")
+    gamma: float = Field(1.0, ge=0, le=1)
+    lam: float = Field(0.95, ge=0, le=1, description="GAE λ")
+
+
+class KLConfig(Frozen):
+    coef: float = Field(0.0, ge=0, description="β of the KL to the reference policy (0 = no reference model).")
+    placement: Literal["reward", "loss"] = Field("loss", description="Per-token penalty in the reward, or a loss term.")
+    estimator: KLEstimator = KLEstimator.K3
+    target: float | None = Field(None, gt=0, description="Adapt β toward this KL (Ziegler et al. 2019); unset = fixed.")
+    horizon: int = Field(10000, ge=1)
+
+
+class PolicyLossConfig(Frozen):
+    clip_low: float = Field(0.2, gt=0, lt=1)
+    clip_high: float = Field(0.2, gt=0, description="> clip_low: clip-higher (DAPO).")
+    dual_clip: float | None = Field(None, gt=1, description="Dual-clip bound c for negative advantages.")
+    aggregation: Literal["token", "sequence"] = "token"
+    entropy_coef: float = Field(0.0, ge=0)
+    epochs: int = Field(1, ge=1, description="Passes over each rollout batch.")
+
+
+class CriticConfig(Frozen):
+    """The value model of PPO (estimator gae): starts from the reward model when there is one, else the SFT model."""
+
+    optim: OptimConfig = OptimConfig()
+    value_clip: float | None = Field(0.2, gt=0)
+
+
+class RolloutConfig(Frozen):
+    prompts_per_step: int = Field(16, ge=1, description="Prompts sampled per RL step.")
+    dynamic_sampling: bool = Field(False, description="Drop groups whose rewards are all equal; sample more prompts to refill.")
+    max_sampling_rounds: int = Field(3, ge=1, description="Cap on sampling rounds per step with dynamic sampling.")
+
+
+class WorkersConfig(Frozen):
+    """Ray worker groups inside the rl job. `colocate`: `all` roles share every bundle, `pairs` puts actor +
+    reference and critic + reward together (rollout apart), `none` gives each role its own bundles."""
+
+    actor: int = Field(1, ge=1)
+    critic: int = Field(1, ge=1)
+    reference: int = Field(1, ge=1)
+    reward: int = Field(1, ge=1)
+    cpus_per_worker: float = Field(1, gt=0, json_schema_extra=NOT_RESULT)
+    gpus_per_worker: float = Field(0, ge=0, json_schema_extra=NOT_RESULT)
+    colocate: Literal["all", "pairs", "none"] = Field("all", json_schema_extra=NOT_RESULT)
+
+
+class RLConfig(TrainingSection):
+    """RL on prompts: PPO (gae, with a critic), GRPO, Dr. GRPO, REINFORCE++(-baseline), RLOO.
+    `batch.global_batch_size` counts responses per optimizer step; `batch.max_steps` and `epochs` count RL steps."""
+
+    kind: Literal["rl"] = "rl"
+    data: PromptDataConfig
+    generation: GenerationConfig = GenerationConfig()
+    reward: RewardConfig = RewardConfig()
+    environment: EnvironmentConfig | None = Field(None, description="Multi-turn episodes with this environment; unset: "
+                                                                    "one response per sample, scored by `reward`.")
+    advantage: AdvantageConfig = AdvantageConfig()
+    kl: KLConfig = KLConfig()
+    policy: PolicyLossConfig = PolicyLossConfig()
+    critic: CriticConfig | None = None
+    rollout: RolloutConfig = RolloutConfig()
+    workers: WorkersConfig = WorkersConfig()
+
+    @model_validator(mode="after")
+    def _one_reward_source(self) -> "RLConfig":
+        given = [name for name, on in (("reward.function", bool(self.reward.function)), ("reward.model", bool(self.reward.model)),
+                                       ("environment", self.environment is not None)) if on]
+        if len(given) != 1:
+            raise ValueError(f"give exactly one reward source: `reward.function: file.py:name`, `reward.model: <rm stage>` or "
+                             f"`environment: {{path: file.py:ClassName}}` (an environment gives its own rewards); "
+                             f"got {', '.join(given) if given else 'none'}")
+        return self
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "RLConfig":
+        estimator, n = self.advantage.estimator, self.generation.n_samples_per_prompt
+        if estimator.is_group and n < 2:
+            raise ValueError(f"advantage.estimator={estimator.value} baselines each sample with the other samples of its "
+                             f"prompt: it needs generation.n_samples_per_prompt >= 2, not {n}")
+        if estimator.needs_critic and self.critic is None:
+            raise ValueError("advantage.estimator=gae needs a critic: add a `critic:` section (or pick a critic-free "
+                             "estimator such as group_norm)")
+        if self.critic is not None and not estimator.needs_critic:
+            raise ValueError(f"a `critic:` section is only used by advantage.estimator=gae, not {estimator.value}")
+        samples = self.rollout.prompts_per_step * n
+        if samples % self.batch.global_batch_size:
+            raise ValueError(f"rollout.prompts_per_step x generation.n_samples_per_prompt = {samples} responses per step "
+                             f"must be a multiple of batch.global_batch_size ({self.batch.global_batch_size})")
+        if self.generation.sleep and (not self.workers.gpus_per_worker or self.workers.colocate != "all"):
+            raise ValueError("generation.sleep frees the vLLM engines' GPU memory while colocated roles train: it needs "
+                             f"workers.gpus_per_worker > 0 and workers.colocate: all (got {self.workers.gpus_per_worker} "
+                             f"and {self.workers.colocate}); on CPU leave it off")
+        return self
+
+    def edges(self) -> dict[str, str]:
+        return {**super().edges(), **({"reward_model": self.reward.model} if self.reward.model else {})}
+
+    def sources(self) -> dict[str, str]:
+        sources = super().sources()
+        if self.reward.function:
+            path, _, name = self.reward.function.rpartition(":")
+            sources[f"reward_function:{name}"] = path  # its content, not its path, is in the cache key
+        if self.environment:
+            path, _, name = self.environment.path.rpartition(":")
+            sources[f"environment:{name}"] = path
+        return sources
+

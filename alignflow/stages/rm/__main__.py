@@ -1,9 +1,0 @@
-"""`python -m alignflow.stages.rm --config FILE [--input sft=URI] [--set KEY=VALUE ...]`: see stage.py."""
-
-import sys
-
-from alignflow.stages.common.entry import run_stage_cli
-from alignflow.stages.rm.stage import main
-
-if __name__ == "__main__":
-    sys.exit(run_stage_cli(main, "rm"))

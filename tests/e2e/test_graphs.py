@@ -1,0 +1,122 @@
+"""Graphs through `alignflow run`: Tülu 3 (SFT -> DPO -> GRPO on vLLM -> eval, with a gate) on the session's
+real services and S3, and the side-by-side comparison (one SFT -> DPO, IPO, KTO at once -> eval) on a private
+Ray head with local storage and sqlite tracking."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from alignflow.infra import storage
+
+from .conftest import ROOT, alignflow, ray_jobs
+from .test_pipeline import FAST as FAST_SFT
+
+LATER = ["--set", "dpo.batch.max_steps=8", "--set", "dpo.logging.eval_every=4"]
+RL_FAST = ["--set", "grpo.batch.max_steps=3", "--set", "grpo.logging.eval_every=3", "--set", "grpo.checkpoint.every_steps=2",
+           "--set", "grpo.generation.engine=vllm"]
+EVAL_FAST = ["--set", "defaults.eval.prompts.max_samples=64", "--set", "defaults.eval.pairs.max_samples=64",
+             "--set", "defaults.eval.nll.max_samples=64"]
+ROOT_S3 = "s3://alignflow-test/e2e"  # one SFT for every graph of the session: same settings, same key, one job
+
+
+def tulu3(services, tmp_path, name: str, *extra: str):
+    out = tmp_path / f"{name}.json"
+    proc = alignflow(services, "run", "configs/tiny-tulu3.yaml", "--set", f"storage.root={ROOT_S3}", "--set", "name=e2e-tulu3",
+                     *FAST_SFT, *LATER, *RL_FAST, *EVAL_FAST, *extra, "--summary-json", str(out))
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return json.loads(out.read_text()), proc.stdout + proc.stderr
+
+
+def test_tulu3_graph_runs_evaluates_gates_and_resumes_as_cache_hits(services, tmp_path):
+    from mlflow import MlflowClient
+
+    client = MlflowClient(services["mlflow"])
+    first, output = tulu3(services, tmp_path, "first")
+    stages = {s["stage"]: s for s in first["stages"]}
+    assert list(stages) == ["sft", "dpo", "grpo", "eval"] and [s["kind"] for s in stages.values()] == ["sft", "dpo", "rl", "eval"]
+    for name, stage in stages.items():
+        assert stage["uri"].startswith(f"{ROOT_S3}/{stage['kind']}/")
+        child = client.get_run(stage["mlflow_run_id"])
+        assert child.info.run_name == name and child.data.tags["alignflow.kind"] == stage["kind"]
+    manifest = json.loads(storage.read_text(storage.join(stages["grpo"]["uri"], "MANIFEST.json")))
+    assert manifest["inputs"]["upstream:from"] == {"uri": stages["dpo"]["uri"], "digest": stages["dpo"]["digest"]}
+    assert stages["grpo"]["metrics"]["logprob_mismatch"] < 2e-4  # vLLM engine and actor agree after each sync
+
+    table = first["eval"]["eval"]
+    assert set(table) == {"sft", "dpo", "grpo"} and all(0 <= row["eval/accuracy"] <= 1 for row in table.values())
+    for name in ("table.md", "table.csv", "chart.png", "metrics.json", "MANIFEST.json"):
+        assert storage.exists(storage.join(stages["eval"]["uri"], name)), name
+    assert "| sft |" in output.replace("│", "|") or "sft" in output  # the eval table is printed
+
+    # The gate: promoted iff GRPO's accuracy >= SFT's + 0.05; either way a version exists, tagged with why.
+    reg = first["registered_model"]
+    should_pass = table["grpo"]["eval/accuracy"] >= table["sft"]["eval/accuracy"] + 0.05
+    assert reg["promoted"] == should_pass and first["promoted"] == should_pass
+    version = client.get_model_version("e2e-tulu3", reg["version"])
+    assert version.tags["alignflow.gate"] == ("passed" if should_pass else "rejected")
+    assert "## Lineage" in version.description and "### dpo (dpo)" in version.description and "## Evaluation `eval`" in version.description
+    parent = client.get_run(first["mlflow"]["parent_run_id"])
+    assert "graph.mmd" in {a.path for a in client.list_artifacts(parent.info.run_id)}
+    assert "eval/eval/accuracy" not in parent.data.metrics and "eval/grpo/eval/accuracy" in parent.data.metrics
+    if not should_pass:
+        assert "NOT PROMOTED" in output
+        aliases = client.get_registered_model("e2e-tulu3").aliases
+        assert aliases.get("candidate") != reg["version"]
+
+    # Add an eval stage to the finished graph: every old stage is a cache hit with no Ray job; only the new one runs.
+    jobs = ray_jobs(services)
+    second, _ = tulu3(services, tmp_path, "second", "--set", "final.kind=eval", "--set", "final.models=[sft, grpo]")
+    again = {s["stage"]: s for s in second["stages"]}
+    assert [n for n, s in again.items() if not s["cached"]] == ["final"]
+    new_jobs = set(ray_jobs(services)) - set(jobs)
+    assert new_jobs == {again["final"]["ray_job_id"]}
+    assert second["registered_model"]["version"] == reg["version"] and not second["registered_model"]["new_version"]
+
+    # --until runs a stage and what it needs; all cached here.
+    third, _ = tulu3(services, tmp_path, "third", "--until", "dpo")
+    assert [(s["stage"], s["cached"]) for s in third["stages"]] == [("sft", True), ("dpo", True)]
+    assert third["registered_model"] is None
+
+
+def test_compare_graph_runs_branches_at_once_and_a_failed_branch_fails_only_itself(tmp_path):
+    """No session services: `alignflow run` starts a private Ray head and Prefect's temporary server; tracking
+    is the sqlite store beside local storage."""
+    root = tmp_path / "out"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_API_URL", "MLFLOW_TRACKING_URI", "ALIGNFLOW_RAY"))}
+    env["ALIGNFLOW_HOME"] = str(tmp_path / "home")
+    fast = [*FAST_SFT, "--set", f"storage.root={root}", *EVAL_FAST]
+    for stage in ("dpo", "ipo", "kto"):
+        fast += ["--set", f"{stage}.batch.max_steps=6", "--set", f"{stage}.logging.eval_every=6"]
+
+    def run(*extra):
+        cmd = [sys.executable, "-m", "alignflow.cli", "run", "configs/tiny-compare.yaml", *fast, *extra]
+        return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
+
+    out = tmp_path / "s.json"
+    proc = run("--set", "register.enabled=true", "--set", "register.stage=dpo", "--summary-json", str(out))
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    summary = json.loads(out.read_text())
+    stages = {s["stage"]: s for s in summary["stages"]}
+    branches = [stages[n] for n in ("dpo", "ipo", "kto")]
+    assert max(s["job_started_at"] for s in branches) < min(s["job_ended_at"] for s in branches)  # all three ran at once
+    assert set(summary["eval"]["eval"]) == {"sft", "dpo", "ipo", "kto"}
+    assert stages["ipo"]["cache_key"] != stages["dpo"]["cache_key"]
+    reg = summary["registered_model"]  # sqlite tracking x local storage
+    assert reg["promoted"] and reg["source"] == storage.join(stages["dpo"]["uri"], "model")
+    assert summary["mlflow"]["tracking_uri"].startswith("sqlite:")
+
+    # A broken branch beside a running one: the sibling finishes and publishes, the flow fails naming the broken one.
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "1+1", "completion": "2", "label": true}\n' * 40 + '{"prompt": "2+2"}\n')
+    kto_before = set(storage.list_dirs(str(root / "kto")))
+    failed = run("--set", "kto.batch.max_steps=5", "--set", "broken.kind=kto", "--set", "broken.from=sft",
+                 "--set", f"broken.data.path={bad}", "--set", "ray.retries=2", "--set", "ray.retry_delay_s=0")
+    text = failed.stdout + failed.stderr
+    assert failed.returncode != 0 and "stages failed: broken" in text, text[-4000:]
+    assert f"{bad}:41: missing key 'completion'" in text
+    new_kto = set(storage.list_dirs(str(root / "kto"))) - kto_before
+    published = [k for k in new_kto if storage.exists(str(root / "kto" / k / "MANIFEST.json"))]
+    assert len(published) == 1  # the kto sibling (5 steps) published; the broken stage did not

@@ -1,0 +1,164 @@
+"""Pipelines as graphs: bad graphs get errors naming file, line, stage and field; cache keys ignore names;
+--until / --only pick the stages; the gate's rule."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from alignflow.config import ConfigError, GateConfig, load_config
+from alignflow.lineage import stage_cache_key, stage_output_uri
+
+ROOT = Path(__file__).resolve().parents[2]
+TULU = ROOT / "configs" / "tiny-tulu3.yaml"
+
+
+def graph(tmp_path: Path, body: str) -> Path:
+    path = tmp_path / "g.yaml"
+    path.write_text(f"base: {ROOT}/configs/tiny.yaml\nname: g\n" + body)
+    return path
+
+
+def error(tmp_path: Path, body: str, *overrides: str) -> str:
+    with pytest.raises(ConfigError) as err:
+        load_config(graph(tmp_path, body), list(overrides))
+    return str(err.value)
+
+
+@pytest.fixture(autouse=True)
+def _in_repo_root(monkeypatch):
+    monkeypatch.chdir(ROOT)
+
+
+def test_unknown_kind_names_line_and_stage(tmp_path):
+    msg = error(tmp_path, "dpo:\n  from: sft\nbest:\n  kind: ppo\n  from: sft\n")
+    assert "g.yaml:6: stage 'best': kind 'ppo' is unknown; set `kind:` to one of sft, rm, dpo, kto, rl, eval" in msg
+
+
+def test_stage_without_kind_whose_name_is_no_kind(tmp_path):
+    msg = error(tmp_path, "polish:\n  from: sft\n")
+    assert "g.yaml:3: stage 'polish': no kind given and the name is not a kind" in msg
+
+
+def test_unknown_stage_name_in_from(tmp_path):
+    msg = error(tmp_path, "dpo:\n  from: stf\n")
+    assert "g.yaml:4: dpo: from: no stage named 'stf' (stages: sft, dpo)" in msg
+
+
+def test_cycle_is_reported_with_its_path(tmp_path):
+    msg = error(tmp_path, "a:\n  kind: dpo\n  from: b\nb:\n  kind: dpo\n  from: a\nregister:\n  stage: sft\n")
+    assert "the stages make a cycle: a -> b -> a" in msg and "g.yaml:3: a:" in msg
+
+
+def test_rl_reward_model_must_be_an_rm_stage(tmp_path):
+    msg = error(tmp_path, "dpo:\n  from: sft\nrl:\n  from: dpo\n  reward:\n    function: null\n    model: dpo\n")
+    assert "g.yaml:7: rl: reward.model: 'dpo' is a dpo stage, not an rm stage" in msg
+
+
+def test_policy_cannot_start_from_a_reward_model(tmp_path):
+    msg = error(tmp_path, "rm:\n  from: sft\ndpo:\n  from: rm\n")
+    assert "g.yaml:6: dpo: from: 'rm' is a rm stage; a dpo stage starts from a policy stage (sft, dpo, kto, rl)" in msg
+
+
+def test_rl_with_two_reward_sources_or_none(tmp_path):
+    two = error(tmp_path, "rm:\n  from: sft\nrl:\n  from: sft\n  reward:\n    model: rm\n")
+    assert "g.yaml:5: rl: Value error" not in two and "rl: give exactly one reward source" in two
+    assert "got reward.function, reward.model" in two
+    none = error(tmp_path, "rl:\n  from: sft\n  reward:\n    function: null\n")
+    assert "rl: give exactly one reward source" in none and "got none" in none
+
+
+def test_invalid_stage_name(tmp_path):
+    msg = error(tmp_path, "my/dpo:\n  kind: dpo\n  from: sft\n")
+    assert "g.yaml:3: my/dpo: stage name 'my/dpo' is not usable as a folder and MLflow name" in msg
+
+
+def test_stage_that_cannot_be_reached_from_any_model(tmp_path):
+    msg = error(tmp_path, "dpo: {}\n")
+    assert "g.yaml:3: dpo: cannot be reached from any model: give `from: <stage>` or `model.name_or_path`" in msg
+
+
+def test_eval_of_an_eval_stage_and_gate_mistakes(tmp_path):
+    msg = error(tmp_path, "first:\n  kind: eval\n  models: [sft]\nsecond:\n  kind: eval\n  models: [first]\n")
+    assert "second: models: 'first' is an eval stage; an eval compares model stages" in msg
+    gate = "dpo:\n  from: sft\neval:\n  models: [sft]\nregister:\n  stage: dpo\n  gate:\n    eval: eval\n    min: 0.5\n"
+    assert "register.gate: the registered stage 'dpo' is not among eval stage 'eval''s models (sft)" in error(tmp_path, gate)
+    ruleless = gate.replace("models: [sft]", "models: [sft, dpo]").replace("    min: 0.5\n", "")
+    assert "register.gate needs a rule" in error(tmp_path, ruleless)
+
+
+def test_several_final_models_need_register_stage(tmp_path):
+    msg = error(tmp_path, "dpo:\n  from: sft\nkto:\n  from: sft\n")
+    assert "register: register.stage: the graph has 2 final models (dpo, kto)" in msg
+
+
+def test_error_from_defaults_block_names_its_line(tmp_path):
+    msg = error(tmp_path, "dpo:\n  from: sft\n", "defaults.dpo.beta=-1")
+    assert "dpo.beta: Input should be greater than 0" in msg
+
+
+def test_shipped_graphs():
+    tulu = load_config(TULU)
+    assert tulu.order() == ["sft", "dpo", "grpo", "eval"] and tulu.registered_stage == "grpo"
+    assert tulu.inputs_of("grpo") == {"from": "dpo"} and tulu.kind("grpo").value == "rl"
+    assert tulu.inputs_of("eval") == {"model:sft": "sft", "model:dpo": "dpo", "model:grpo": "grpo",
+                                      "reference:dpo": "sft", "reference:grpo": "dpo"}
+    compare = load_config(ROOT / "configs" / "tiny-compare.yaml")
+    assert compare.order() == ["sft", "dpo", "ipo", "kto", "eval"] and compare.registered_stage is None
+    assert compare.section("ipo").loss == "ipo" and compare.section("dpo").loss == "dpo"
+    ppo = load_config(ROOT / "configs" / "tiny-ppo.yaml")
+    assert ppo.inputs_of("rl") == {"from": "sft", "reward_model": "rm"} and ppo.registered_stage == "rl"
+    assert list(load_config(ROOT / "configs" / "tiny.yaml").stages) == ["sft"]
+
+
+def test_cache_key_ignores_stage_names_and_neighbours(tmp_path):
+    digests = {"from": "d" * 64}
+    base = load_config(TULU)
+    renamed = load_config(graph(tmp_path, "dpo:\n  from: sft\npolicy:\n  kind: rl\n  from: dpo\nregister:\n  stage: policy\n"))
+    widened = load_config(TULU, ["kto.from=sft", "eval.models=[sft, dpo, grpo, kto]"])
+    key = stage_cache_key(base, "grpo", digests)
+    assert stage_cache_key(renamed, "policy", digests) == key == stage_cache_key(widened, "grpo", digests)
+    assert stage_output_uri(renamed, "policy", key) == stage_output_uri(base, "grpo", key)  # {root}/{kind}/{key}
+    assert stage_cache_key(base, "grpo", {"from": "e" * 64}) != key  # another starting model
+    assert stage_cache_key(load_config(TULU, ["grpo.optim.lr=2e-4"]), "grpo", digests) != key
+    ipo = load_config(ROOT / "configs" / "tiny-compare.yaml")
+    assert stage_cache_key(ipo, "ipo", digests) != stage_cache_key(ipo, "dpo", digests)
+
+
+def test_until_and_only_pick_stages():
+    from alignflow.flows.alignment import plan
+
+    tulu = load_config(TULU)
+    assert plan(tulu) == ["sft", "dpo", "grpo", "eval"]
+    assert plan(tulu, until="dpo") == ["sft", "dpo"]
+    assert plan(tulu, only="grpo") == ["grpo"]
+    with pytest.raises(ConfigError, match="--until ppo: no such stage"):
+        plan(tulu, until="ppo")
+
+
+def test_gate_rule():
+    from alignflow.flows.handoff import gate_decision
+
+    table = {"sft": {"eval/accuracy": 0.40, "eval/nll": 1.0}, "grpo": {"eval/accuracy": 0.47, "eval/nll": 1.2}}
+    passed, why = gate_decision(GateConfig(eval="eval", baseline="sft", min_gain=0.05), table, "grpo")
+    assert passed, why
+    passed, why = gate_decision(GateConfig(eval="eval", baseline="sft", min_gain=0.10), table, "grpo")
+    assert not passed and "misses sft's 0.4 + 0.1 = 0.5" in why
+    passed, why = gate_decision(GateConfig(eval="eval", min=0.5), table, "grpo")
+    assert not passed and "misses the floor 0.5" in why
+    passed, _ = gate_decision(GateConfig(eval="eval", metric="eval/nll", baseline="sft", min_gain=0.1, lower_is_better=True), table, "grpo")
+    assert not passed  # 1.2 > 1.0 - 0.1
+    passed, why = gate_decision(GateConfig(eval="eval", metric="eval/reward", min=0.0), table, "grpo")
+    assert not passed and "has no eval/reward for 'grpo'" in why
+
+
+def test_prefect_yaml_deploys_every_shipped_graph_by_path():
+    import yaml
+
+    spec = yaml.safe_load((ROOT / "prefect.yaml").read_text())
+    paths = {d["parameters"]["config"] for d in spec["deployments"]}
+    assert paths == {f"configs/{p.name}" for p in (ROOT / "configs").glob("tiny*.yaml")}
+    for d in spec["deployments"]:  # a path and overrides, never an inline copy that could drift from configs/
+        assert set(d["parameters"]) == {"config", "overrides"} and d["name"] == Path(d["parameters"]["config"]).stem
+        load_config(ROOT / d["parameters"]["config"], d["parameters"]["overrides"])
