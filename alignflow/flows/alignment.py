@@ -194,8 +194,8 @@ def alignment(config: str = "configs/tiny.yaml", overrides: list[str] | None = N
                                "\n".join(f"{n}: {exc}" for n, exc in scheduler.failed.items()))
         results = {n: scheduler.results[n] for n in stages}
         registered = register(cfg, tracker, parent, results)
-        tracker.log_metrics(parent, {f"{n}/{k}": v for n, r in results.items() for k, v in r.metrics.items()
-                                     if k.startswith("eval/") or r.kind == "eval"})
+        tracker.log_metrics(parent, {f"{n}/{k}".replace("@", "_at_"): v for n, r in results.items()  # MLflow refuses `@`
+                                     for k, v in r.metrics.items() if k.startswith("eval/") or r.kind == "eval"})
         tracker.finish(parent, ok=True)
     except BaseException:
         tracker.finish(parent, ok=False)

@@ -162,3 +162,39 @@ def test_prefect_yaml_deploys_every_shipped_graph_by_path():
     for d in spec["deployments"]:  # a path and overrides, never an inline copy that could drift from configs/
         assert set(d["parameters"]) == {"config", "overrides"} and d["name"] == Path(d["parameters"]["config"]).stem
         load_config(ROOT / d["parameters"]["config"], d["parameters"]["overrides"])
+
+
+def test_only_needs_published_inputs_and_names_the_missing(tmp_path):
+    from alignflow.flows.alignment import published_inputs
+
+    cfg = load_config(TULU, [f"storage.root={tmp_path}"])
+    with pytest.raises(ConfigError, match="--only grpo: its inputs dpo are not published for this config; run them first "
+                                          r"\(alignflow run CONFIG --until dpo\)"):
+        published_inputs(cfg, "grpo")
+    with pytest.raises(ConfigError, match="--only eval: its inputs sft, dpo, grpo are not published"):
+        published_inputs(cfg, "eval")
+    assert published_inputs(cfg, "sft") == {}
+
+
+def test_a_job_refuses_a_cache_key_other_than_the_flows():
+    from alignflow.stages.common.run import check_cache_key
+
+    check_cache_key("dpo", "abc", None)  # run by hand: nothing to compare
+    check_cache_key("dpo", "abc", "abc")
+    with pytest.raises(ConfigError, match="dpo: this job's cache key abc differs from the one the flow computed \\(abd\\)"):
+        check_cache_key("dpo", "abc", "abd")
+
+
+def test_job_exit_code_for_bad_input_is_the_one_the_task_reads():
+    from alignflow.exit_codes import BAD_INPUT
+    from alignflow.infra.ray_jobs import failure
+
+    assert not failure("j", "FAILED", f"Job entrypoint command failed with exit code {BAD_INPUT}", "").retryable
+    assert failure("j", "FAILED", f"Job entrypoint command failed with exit code {BAD_INPUT + 1}", "").retryable
+
+
+def test_graph_as_mermaid():
+    from alignflow.flows.alignment import mermaid
+
+    text = mermaid(load_config(TULU), ["sft", "dpo", "grpo"])
+    assert 'grpo["grpo (rl)"]' in text and "dpo -->|from| grpo" in text and "eval" not in text
