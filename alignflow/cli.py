@@ -128,11 +128,10 @@ def run(
         from alignflow.flows.alignment import alignment
 
         state = alignment(str(path), overrides or [], until, only, return_state=True)
-    try:
-        result = state.result()
-    except ConfigError as exc:  # an input --only needs is not published
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(BAD_INPUT) from None
+    result = state.result(raise_on_failure=False)
+    if isinstance(result, BaseException):  # failed stages (named, each with the tail of its log), or --only's inputs
+        typer.echo(f"error: {result}", err=True)
+        raise typer.Exit(BAD_INPUT if isinstance(result, ConfigError) else 1)
     _print_summary(result)
     if summary_json:
         summary_json.write_text(json.dumps(result, indent=2))

@@ -113,9 +113,10 @@ def test_compare_graph_runs_branches_at_once_and_a_failed_branch_fails_only_itse
     bad.write_text('{"prompt": "1+1", "completion": "2", "label": true}\n' * 40 + '{"prompt": "2+2"}\n')
     kto_before = set(storage.list_dirs(str(root / "kto")))
     failed = run("--set", "kto.batch.max_steps=5", "--set", "broken.kind=kto", "--set", "broken.from=sft",
-                 "--set", f"broken.data.path={bad}", "--set", "ray.retries=2", "--set", "ray.retry_delay_s=0")
+                 "--set", f"broken.data.path={bad}", "--set", "eval.models=[sft, broken]", "--set", "ray.retries=2",
+                 "--set", "ray.retry_delay_s=0")
     text = failed.stdout + failed.stderr
-    assert failed.returncode != 0 and "stages failed: broken" in text, text[-4000:]
+    assert failed.returncode != 0 and "stages failed: broken (skipped: eval)" in text, text[-4000:]
     assert f"{bad}:41: missing key 'completion'" in text
     new_kto = set(storage.list_dirs(str(root / "kto"))) - kto_before
     published = [k for k in new_kto if storage.exists(str(root / "kto" / k / "MANIFEST.json"))]
