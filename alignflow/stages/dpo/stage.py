@@ -1,7 +1,7 @@
 """DPO stage (DPO, cDPO, IPO, optional NLL term) with reference log-probs computed once.
 
-Run by hand:  alignflow stage dpo --config configs/tiny.yaml --set pipeline=dpo
-              (finds the SFT model published by `alignflow stage sft`; or pass --input sft=URI)
+Run by hand:  alignflow stage dpo --config configs/tiny-tulu3.yaml
+              (finds its `from:` model published by `alignflow stage sft`; or pass --input from=URI)
 
 The policy starts from the SFT model; the frozen reference is that same model, so its
 log-probs of every chosen and rejected response are computed before the first step and

@@ -1,7 +1,7 @@
 """KTO stage: unpaired desirable / undesirable completions, reference log-probs computed once.
 
-Run by hand:  alignflow stage kto --config configs/tiny.yaml --set pipeline=kto
-              (finds the SFT model published by `alignflow stage sft`; or pass --input sft=URI)
+Run by hand:  alignflow stage kto --config configs/tiny-compare.yaml
+              (finds its `from:` model published by `alignflow stage sft`; or pass --input from=URI)
 
 The KL reference point of each optimizer step (see `losses.py`) pairs the prompt at position
 k of the step's global batch with the completion at position k+1 (cyclically): mismatched

@@ -1,8 +1,8 @@
 """RL stage: PPO, GRPO, Dr. GRPO, REINFORCE++(-baseline), RLOO on Ray worker groups.
 
-Run by hand:  alignflow stage rl --config configs/tiny.yaml --set pipeline=grpo
-              (finds the SFT model published by `alignflow stage sft`; or pass --input sft=URI,
-              and --input rm=URI for a reward model)
+Run by hand:  alignflow stage rl --config configs/tiny-grpo.yaml
+              (finds its `from:` model published by `alignflow stage sft`; or pass --input from=URI,
+              and --input reward_model=URI for a reward model)
 
 This process is the driver. It starts the roles as Ray worker groups (`workers.py`: actor,
 rollout, and as the config needs them reference, critic, reward model; placed by

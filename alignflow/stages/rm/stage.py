@@ -1,7 +1,7 @@
 """Reward-model stage: a causal LM backbone with a scalar head, trained on preference pairs.
 
-Run by hand:  alignflow stage rm --config configs/tiny.yaml --set pipeline=full --set stop_after=rm
-              (finds the SFT model published by `alignflow stage sft`; or pass --input sft=URI)
+Run by hand:  alignflow stage rm --config configs/tiny-ppo.yaml
+              (finds its `from:` model published by `alignflow stage sft`; or pass --input from=URI)
 
 The model is transformers' `AutoModelForSequenceClassification` with one label on top of the
 SFT backbone; the score is read at the last non-padding token (the EOS ending the response).

@@ -1,8 +1,8 @@
 """SFT stage: next-token loss on response tokens, DeepSpeed, exact resume, HF publish.
 
-Run by hand:   python -m alignflow.stages.sft --config configs/tiny.yaml [--set sft.optim.lr=1e-4]
-Two workers:   torchrun --nproc_per_node 2 -m alignflow.stages.sft --config configs/tiny.yaml
-Inside a job:  `main(cfg)` is what the Ray job calls.
+Run by hand:   python -m alignflow.stages --config configs/tiny.yaml --stage sft [--set sft.optim.lr=1e-4]
+Two workers:   alignflow stage sft --config configs/tiny.yaml --nproc 2   (torchrun)
+Inside a job:  `main(cfg, "sft")` is what the Ray job calls (the stage's name in the config).
 
 Where this departs from the usual recipe: the loss is the mean over all response
 tokens of the optimizer step (summed NLL / step token count, like TRL's
