@@ -52,13 +52,13 @@ Mode 1, generation (default): tokens/s of one generator, outside the RL loop
 Mode 2, `--rl`: the RL stage with each backend
 - tiny: the SFT stage of configs/tiny.yaml is run first (a worker of its own) into a temporary storage root; then for
   each backend the rl stage (`alignflow.stages.rl.stage.main`) runs in a worker of its own on configs/tiny.yaml with
-  `pipeline=grpo`, `rl.generation.engine=hf|vllm`, `rl.batch.max_steps=--rl-steps` (10), `rl.logging.eval_every=1000`,
-  checkpoints off, a storage root of its own, and the SFT model as its `sft` input (as tests/integration do). So: 16
+  `rl.from=sft`, `rl.generation.engine=hf|vllm`, `rl.batch.max_steps=--rl-steps` (10), `rl.logging.eval_every=1000`,
+  checkpoints off, a storage root of its own, and the SFT model as its `from` input (as tests/integration do). So: 16
   prompts x 8 samples per step, at most 8 new tokens, EOS on (the SFT model's answers are ~4 tokens), real rewards,
   a private Ray with the actor and the rollout engine colocated in one bundle of `rl.workers.cpus_per_worker` (2)
   CPUs, each with 2 torch threads.
-- small (`--rl-models tiny,small`): the same rl section standalone (`pipeline=sft`, `rl.model.name_or_path` = the
-  builtin:small folder): no SFT model for it (25M parameters: too slow to train here), so it starts from random
+- small (`--rl-models tiny,small`): the same rl stage standalone (no `from:`, `rl.model.name_or_path` = the
+  builtin:small folder, `register.enabled=false`): no SFT model for it (25M parameters: too slow to train here), so it starts from random
   weights, every reward is 0 and the answers run to the 8-token limit more often; the speed figures still hold.
 - read from the published metrics.json history: per step `phase/generate_and_score_s`, `phase/inference_s`,
   `phase/train_s`, `phase/sync_s` (timed by the driver in `Loop.step`) and `gen_tokens_per_s` (generated tokens /
@@ -106,7 +106,8 @@ QUICK_SHAPES = [(4, 1), (2, 2)]
 QUICK_NEW_TOKENS = 8
 QUICK_RL_STEPS, QUICK_SFT_STEPS = 2, 3
 NEVER = 10**9
-QUIET = [f"{s}.logging.{k}" for s in ("sft", "rl") for k in ("progress=false", "log_every=1000")]
+# The sft stage's logging, and the rl kind's through `defaults:` (a `--set rl.…` alone would add an rl stage).
+QUIET = [f"{s}.logging.{k}" for s in ("sft", "defaults.rl") for k in ("progress=false", "log_every=1000")]
 PHASES = {"gen_s": "phase/generate_and_score_s", "inference_s": "phase/inference_s", "train_s": "phase/train_s", "sync_s": "phase/sync_s"}
 
 
@@ -250,7 +251,7 @@ def worker_sft(args: argparse.Namespace) -> dict[str, Any]:
     overrides = [f"storage.root={args.tmp}/out", *QUIET, "sft.checkpoint.every_steps=1000000"]
     overrides += [f"sft.batch.max_steps={QUICK_SFT_STEPS}", "sft.logging.eval_every=1000"] if args.quick else []
     t = time.perf_counter()
-    result = main(load_config(CONFIG, overrides))
+    result = main(load_config(CONFIG, overrides), "sft")
     return {"uri": result["uri"], "wall_s": time.perf_counter() - t, "metrics": result.get("metrics", {})}
 
 
@@ -265,15 +266,15 @@ def worker_rl(args: argparse.Namespace) -> dict[str, Any]:
     overrides = [f"storage.root={args.tmp}/out", *QUIET, f"rl.generation.engine={args.backend}", f"rl.batch.max_steps={args.rl_steps}",
                  "rl.logging.eval_every=1000", f"rl.checkpoint.every_steps={NEVER}"]
     if args.sft_uri:
-        overrides.append("pipeline=grpo")
-        inputs = {"sft": args.sft_uri}
-    else:  # the rl section standalone from the base model (no SFT stage in pipeline sft)
-        overrides += ["pipeline=sft", f"rl.model.name_or_path={resolve_model_path(args.model)}"]
+        overrides.append("rl.from=sft")
+        inputs = {"from": args.sft_uri}
+    else:  # the rl stage standalone from the base model (not from the sft stage: two final models, none registered)
+        overrides += [f"rl.model.name_or_path={resolve_model_path(args.model)}", "register.enabled=false"]
         inputs = None
     overrides += args.set or []
     cfg = load_config(CONFIG, overrides)
     t = time.perf_counter()
-    result = main(cfg, None, inputs)
+    result = main(cfg, "rl", None, inputs)
     main_s = time.perf_counter() - t
     leftover = reap_children() if subreaper else []
     metrics = json.loads((Path(result["uri"]) / "metrics.json").read_text())
@@ -283,11 +284,11 @@ def worker_rl(args: argparse.Namespace) -> dict[str, Any]:
     records = [{"step": h["step"], **{k: h[v] for k, v in PHASES.items()}, "gen_tokens_per_s": h.get("gen_tokens_per_s"),
                 "response_length": h.get("response_length"), "reward_mean": h.get("reward/mean"),
                 "logprob_mismatch": h.get("logprob_mismatch")} for h in steps]
-    summary = metrics.get("summary", {})
+    summary, rl = metrics.get("summary", {}), cfg.section("rl")
     return {"backend": args.backend, "model": args.model, "from_sft": bool(args.sft_uri), "steps": records,
             "setup_s": summary.get("time/setup_s"), "main_s": main_s, "threads": torch.get_num_threads(),
-            "completions_per_step": cfg.rl.rollout.prompts_per_step * cfg.rl.generation.n_samples_per_prompt,
-            "max_new_tokens": cfg.rl.generation.max_new_tokens, "cpus_per_worker": cfg.rl.workers.cpus_per_worker,
+            "completions_per_step": rl.rollout.prompts_per_step * rl.generation.n_samples_per_prompt,
+            "max_new_tokens": rl.generation.max_new_tokens, "cpus_per_worker": rl.workers.cpus_per_worker,
             "leftover_child_pids": leftover, "overrides": overrides}
 
 

@@ -278,7 +278,8 @@ def worker_alignflow(args: argparse.Namespace) -> dict[str, Any]:
     total = args.warmup + args.steps
     overrides = [
         "name=throughput-bench",
-        "pipeline=sft",  # the rl section runs standalone from the model folder given below
+        "register.enabled=false",  # the rl stage runs standalone from the model folder given below (no `from:`):
+        # beside tiny.yaml's sft stage it is a second final model, and the benchmark registers nothing
         f"storage.root={args.tmp}/outputs",
         f"rl.model.name_or_path={resolve_model_path(args.model)}",
         "rl.model.dtype=float32",
@@ -352,7 +353,7 @@ def worker_alignflow(args: argparse.Namespace) -> dict[str, Any]:
     stage.Roles.__init__ = timed(lambda t0, t1: setup.__setitem__("workers_start_s", t1 - t0), roles_init)
     stage.connect_ray = timed(lambda t0, t1: setup.__setitem__("ray_start_s", t1 - t0), connect_ray)
     t_main = time.perf_counter()
-    result = stage.main(cfg, output_uri=str(Path(args.tmp) / "rl-out"))
+    result = stage.main(cfg, "rl", output_uri=str(Path(args.tmp) / "rl-out"))
     main_s = time.perf_counter() - t_main
     leftover = reap_children() if subreaper else []
     metrics = json.loads((Path(result["uri"]) / "metrics.json").read_text())

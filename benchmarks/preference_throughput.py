@@ -154,7 +154,8 @@ def worker_alignflow(args: argparse.Namespace) -> dict[str, Any]:
     total = args.warmup + args.steps
     overrides = [
         "name=throughput-bench",
-        "pipeline=sft",  # the stage runs standalone from the model folder given below
+        "register.enabled=false",  # the stage runs standalone from the model folder given below (no `from:`):
+        # beside tiny.yaml's sft stage it is a second final model, and the benchmark registers nothing
         f"storage.root={args.tmp}/outputs",
         f"{s}.model.name_or_path={resolve_model_path(args.model)}",
         f"{s}.model.dtype=float32",
@@ -218,7 +219,7 @@ def worker_alignflow(args: argparse.Namespace) -> dict[str, Any]:
 
     stage.train_step = timed_train_step  # main() and pair_logps / pair_rewards look the names up at call time
     pairs_module.collate_pairs = counted_collate_pairs
-    result = stage.main(cfg, output_uri=str(Path(args.tmp) / f"{s}-out"))
+    result = stage.main(cfg, s, output_uri=str(Path(args.tmp) / f"{s}-out"))
     metrics = json.loads((Path(result["uri"]) / "metrics.json").read_text())
     history = [h for h in metrics["history"] if h["step"] >= 1 and "step_time_s" in h]
     if len(history) != total or len(spans) != total:

@@ -209,7 +209,7 @@ def worker_alignflow(args: argparse.Namespace) -> dict[str, Any]:
         return out
 
     stage.train_step = timed_train_step  # main() looks the name up at call time
-    result = stage.main(cfg, output_uri=str(Path(args.tmp) / "sft-out"))
+    result = stage.main(cfg, "sft", output_uri=str(Path(args.tmp) / "sft-out"))
     metrics = json.loads((Path(result["uri"]) / "metrics.json").read_text())
     history = [h for h in metrics["history"] if h["step"] >= 1 and "step_time_s" in h]
     if len(history) != total or len(spans) != total:

@@ -5,9 +5,20 @@ A config is parsed once (YAML + `--set` overrides), validated, and then frozen: 
 locals of the code that needs them.
 """
 
-from alignflow.config.base import ConfigError, Frozen, result_fields, stable_hash
-from alignflow.config.graph import GateConfig, PipelineConfig, RegisterConfig, StageKind
-from alignflow.config.loading import apply_overrides, dump_config, load_config, parse_override
+from importlib import import_module
 
-__all__ = ["ConfigError", "Frozen", "GateConfig", "PipelineConfig", "RegisterConfig", "StageKind", "apply_overrides",
-           "dump_config", "load_config", "parse_override", "result_fields", "stable_hash"]
+from alignflow.config.base import ConfigError, Frozen, result_fields, stable_hash
+
+# The graph imports every stage kind's schema, and those import `alignflow.config.base`: loaded on first use,
+# so that a process whose first import is a stage's schema (a Ray worker) does not meet a half-built package.
+_LAZY = {"GateConfig": "graph", "PipelineConfig": "graph", "RegisterConfig": "graph", "StageKind": "graph",
+         "apply_overrides": "loading", "dump_config": "loading", "load_config": "loading", "parse_override": "loading"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(import_module(f"alignflow.config.{_LAZY[name]}"), name)
+    raise AttributeError(f"module 'alignflow.config' has no attribute {name!r}")
+
+
+__all__ = ["ConfigError", "Frozen", "result_fields", "stable_hash", *_LAZY]

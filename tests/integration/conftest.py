@@ -12,7 +12,10 @@ from alignflow.config import load_config
 ROOT = Path(__file__).resolve().parents[2]
 
 
-QUIET = [f"{s}.logging.{k}" for s in ("sft", "rm", "dpo", "kto", "rl") for k in ("progress=false", "log_every=1000")]
+# The sft stage's own logging, and every other training kind's through `defaults:` (a `--set rl.…` would add an
+# rl stage to tiny.yaml's graph). Eval stages have no `logging:` section.
+QUIET = [f"{s}.logging.{k}" for s in ("sft", *(f"defaults.{kind}" for kind in ("rm", "dpo", "kto", "rl")))
+         for k in ("progress=false", "log_every=1000")]
 
 
 def sft_config(tmp_path: Path, *overrides: str):
@@ -28,7 +31,7 @@ def tiny_sft(tmp_path_factory):
 
     with contextlib.chdir(ROOT):
         cfg = sft_config(tmp_path_factory.mktemp("tiny-sft"))
-        return cfg, main(cfg)
+        return cfg, main(cfg, "sft")
 
 
 def weights(stage_uri: str) -> dict[str, torch.Tensor]:
@@ -54,8 +57,8 @@ def tiny_rm(tiny_sft):
 
     sft_cfg, _ = tiny_sft
     with contextlib.chdir(ROOT):
-        cfg = load_config(ROOT / "configs" / "tiny.yaml", [f"storage.root={sft_cfg.storage.root}", *QUIET, "pipeline=full", "stop_after=rm"])
-        return cfg, main(cfg)
+        cfg = load_config(ROOT / "configs" / "tiny.yaml", [f"storage.root={sft_cfg.storage.root}", *QUIET, "rm.from=sft"])
+        return cfg, main(cfg, "rm")
 
 
 @pytest.fixture(scope="module")

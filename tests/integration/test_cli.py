@@ -22,7 +22,7 @@ def test_bad_data_row_exits_2_naming_file_and_line(tmp_path):
     proc = run("stage", "sft", "--config", "configs/tiny.yaml", "--set", f"sft.data.path={data}", "--set", f"storage.root={tmp_path}")
     assert proc.returncode == 2
     assert f"{data}:2: missing key 'response'" in proc.stderr
-    assert '"step"' not in proc.stdout and not (tmp_path / "tiny").exists()
+    assert '"step"' not in proc.stdout and not (tmp_path / "sft").exists()
 
 
 def test_too_few_rows_for_one_batch(tmp_path):

@@ -11,7 +11,7 @@ from .conftest import sft_config
 
 
 def test_export_copies_the_verified_model_and_refuses_a_corrupt_one(tmp_path):
-    result = main(sft_config(tmp_path, "sft.batch.max_steps=2"))
+    result = main(sft_config(tmp_path, "sft.batch.max_steps=2"), "sft")
     files = export_model(result["uri"], str(tmp_path / "serving"))
     assert "model/model.safetensors" in files
     from transformers import AutoModelForCausalLM

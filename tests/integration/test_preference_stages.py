@@ -40,7 +40,7 @@ def test_rm_learns_and_its_published_model_scores_the_same(tiny_sft, tiny_rm):
           f"margin {m['eval/margin']:.2f}, reward mean {m['reward/mean']:.3f} std {m['reward/std']:.3f}")
     assert m["eval/accuracy"] >= 0.9
     published = manifest.verify(result["uri"])
-    assert published.meta["inputs"]["upstream:sft"]["uri"] == sft["uri"]
+    assert published.meta["inputs"]["upstream:from"]["uri"] == sft["uri"]
 
     from alignflow.stages.rm.scoring import RewardScorer
 
@@ -62,7 +62,7 @@ def test_rm_learns_and_its_published_model_scores_the_same(tiny_sft, tiny_rm):
 
 def test_dpo_margin_and_accuracy_rise_with_reference_computed_once(tiny_sft, tmp_path, capsys):
     _, sft = tiny_sft
-    result = stage_main("dpo")(config(tmp_path, "pipeline=dpo"), None, {"sft": sft["uri"]})
+    result = stage_main("dpo")(config(tmp_path, "dpo.from=sft"), "dpo", None, {"from": sft["uri"]})
     m = result["metrics"]
     assert "reference log-probs: computed for 2200 rows" in capsys.readouterr().out
     with capsys.disabled():
@@ -75,7 +75,7 @@ def test_dpo_margin_and_accuracy_rise_with_reference_computed_once(tiny_sft, tmp
 
 def test_kto_rewards_of_desirable_and_undesirable_separate(tiny_sft, tmp_path):
     _, sft = tiny_sft
-    m = stage_main("kto")(config(tmp_path, "pipeline=kto"), None, {"sft": sft["uri"]})["metrics"]
+    m = stage_main("kto")(config(tmp_path, "kto.from=sft"), "kto", None, {"from": sft["uri"]})["metrics"]
     print(f"kto: held-out rewards desirable {m['eval/rewards/desirable']:.3f}, undesirable {m['eval/rewards/undesirable']:.3f} "
           f"(margin {m['eval/rewards/margin_initial']:.3f} -> {m['eval/rewards/margin']:.3f}), KL estimate {m['eval/kl']:.3f}")
     assert m["eval/rewards/margin"] > 0.5 and m["eval/rewards/desirable"] > m["eval/rewards/undesirable"]
@@ -88,16 +88,16 @@ SHORT = "{s}.batch.max_steps=6 {s}.checkpoint.every_steps=2 {s}.checkpoint.keep_
 @pytest.mark.parametrize("stage", ["rm", "dpo", "kto"])
 def test_killed_run_resumes_to_the_same_weights(tiny_sft, tmp_path, monkeypatch, capsys, stage):
     _, sft = tiny_sft
-    main, inputs = stage_main(stage), {"sft": sft["uri"]}
-    overrides = [f"pipeline={'full' if stage == 'rm' else stage}", "stop_after=" + stage, *SHORT.format(s=stage).split()]
-    straight = main(config(tmp_path / "a", *overrides), None, inputs)
+    main, inputs = stage_main(stage), {"from": sft["uri"]}
+    overrides = [f"{stage}.from=sft", *SHORT.format(s=stage).split()]
+    straight = main(config(tmp_path / "a", *overrides), stage, None, inputs)
     cfg = config(tmp_path / "b", *overrides)
     monkeypatch.setenv(FAIL_AT_STEP_ENV, "5")
     with pytest.raises(InjectedFailure):
-        main(cfg, None, inputs)
+        main(cfg, stage, None, inputs)
     monkeypatch.delenv(FAIL_AT_STEP_ENV)
     capsys.readouterr()
-    resumed = main(cfg, None, inputs)
+    resumed = main(cfg, stage, None, inputs)
     assert resumed["resumed_from_step"] == 4
     if stage != "rm":
         assert "reference log-probs: loaded from" in capsys.readouterr().out  # not recomputed by the resumed policy
@@ -113,8 +113,9 @@ def test_micro_batches_do_not_change_the_update(tiny_sft, tmp_path, stage):
     """One micro-batch of 32 vs four of 8: the same step losses and weights (KTO's KL reference
     point is taken over the whole step either way)."""
     _, sft = tiny_sft
-    common = [f"pipeline={stage}", f"{stage}.batch.max_steps=3", f"{stage}.data.max_samples=128", f"{stage}.logging.eval_every=100"]
-    runs = [stage_main(stage)(config(tmp_path / str(micro), *common, f"{stage}.batch.micro_batch_size={micro}"), None, {"sft": sft["uri"]})
+    common = [f"{stage}.from=sft", f"{stage}.batch.max_steps=3", f"{stage}.data.max_samples=128", f"{stage}.logging.eval_every=100"]
+    runs = [stage_main(stage)(config(tmp_path / str(micro), *common, f"{stage}.batch.micro_batch_size={micro}"), stage, None,
+                               {"from": sft["uri"]})
             for micro in (32, 8)]
     assert losses(runs[1]["uri"]) == pytest.approx(losses(runs[0]["uri"]), rel=1e-5)
     a, b = weights(runs[0]["uri"]), weights(runs[1]["uri"])
@@ -126,16 +127,17 @@ def test_kto_on_two_workers_matches_one_worker(tiny_sft, tmp_path):
     """Same global batch over 2 gloo workers vs 1: per-row values and the KL reference point
     are gathered across workers, so the losses and weights agree."""
     _, sft = tiny_sft
-    common = ["pipeline=kto", "kto.batch.max_steps=3", "kto.data.max_samples=128", "kto.logging.eval_every=2",
+    common = ["kto.from=sft", "kto.batch.max_steps=3", "kto.data.max_samples=128", "kto.logging.eval_every=2",
               "kto.batch.micro_batch_size=8", "kto.batch.global_batch_size=32"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-           f"--master_port={free_port()}", "-m", "alignflow.stages.kto", "--config", "configs/tiny.yaml", "--input", f"sft={sft['uri']}"]
+           f"--master_port={free_port()}", "-m", "alignflow.stages", "--config", "configs/tiny.yaml", "--stage", "kto",
+           "--input", f"from={sft['uri']}"]
     cmd += [a for o in [*QUIET, *common, f"storage.root={tmp_path}/two"] for a in ("--set", o)]
     cmd += ["--summary-json", str(tmp_path / "two.json")]
     proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     two = json.loads((tmp_path / "two.json").read_text())
-    one = stage_main("kto")(config(tmp_path / "one", *common), None, {"sft": sft["uri"]})
+    one = stage_main("kto")(config(tmp_path / "one", *common), "kto", None, {"from": sft["uri"]})
     assert losses(two["uri"]) == pytest.approx(losses(one["uri"]), rel=1e-5)
     assert two["metrics"]["eval/rewards/margin"] == pytest.approx(one["metrics"]["eval/rewards/margin"], rel=1e-4)
     a, b = weights(one["uri"]), weights(two["uri"])
@@ -145,26 +147,27 @@ def test_kto_on_two_workers_matches_one_worker(tiny_sft, tmp_path):
 
 def test_bad_input_stops_before_training(tiny_sft, tmp_path):
     _, sft = tiny_sft
-    with pytest.raises(ConfigError, match="rm: no SFT model given to start from"):
-        stage_main("rm")(config(tmp_path))  # pipeline sft: nothing upstream of rm, and rm.model unset
-    with pytest.raises(ConfigError, match=r"stage 'dpo' starts from the sft stage's output, which is not published at .*run `alignflow stage sft`"):
-        stage_main("dpo")(config(tmp_path, "pipeline=dpo"))
-    with pytest.raises(ConfigError, match="input sft=/nonexistent: no published stage output there"):
-        stage_main("kto")(config(tmp_path, "pipeline=kto"), None, {"sft": "/nonexistent"})
+    with pytest.raises(ConfigError, match=r"rm: cannot be reached from any model: give `from: <stage>` or `model.name_or_path`"):
+        stage_main("rm")(config(tmp_path, "rm.model.name_or_path=null"), "rm")  # no `from:`, and rm.model unset
+    with pytest.raises(ConfigError, match=r"stage 'dpo' needs the output of 'sft', which is not published: run those stages "
+                                          r"first \(`alignflow run CONFIG --until sft`\)"):
+        stage_main("dpo")(config(tmp_path, "dpo.from=sft"), "dpo")
+    with pytest.raises(ConfigError, match="input from=/nonexistent: no published stage output there"):
+        stage_main("kto")(config(tmp_path, "kto.from=sft"), "kto", None, {"from": "/nonexistent"})
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "1+1", "completion": "2", "label": true}\n{"prompt": "1+2", "completion": "3", "label": "yes"}\n')
     from alignflow.stages.common.data import DataError
 
     with pytest.raises(DataError, match=rf"{bad}:2: 'label' must be a boolean"):
-        stage_main("kto")(config(tmp_path, "pipeline=kto", f"kto.data.path={bad}"), None, {"sft": sft["uri"]})
-    assert not (tmp_path / "tiny" / "kto").exists()  # nothing written
+        stage_main("kto")(config(tmp_path, "kto.from=sft", f"kto.data.path={bad}"), "kto", None, {"from": sft["uri"]})
+    assert not (tmp_path / "kto").exists()  # nothing written
 
 
 def test_reward_model_under_zero3_trains_like_zero0(tiny_sft, tmp_path):
     """The new score head is created under ZeRO-3's partitioned init and still starts and trains the same."""
     _, sft = tiny_sft
-    common = ["pipeline=full", "stop_after=rm", "rm.batch.max_steps=4", "rm.data.max_samples=128", "rm.logging.eval_every=2"]
-    runs = [stage_main("rm")(config(tmp_path / str(z), *common, f"rm.deepspeed.zero_stage={z}"), None, {"sft": sft["uri"]})
+    common = ["rm.from=sft", "rm.batch.max_steps=4", "rm.data.max_samples=128", "rm.logging.eval_every=2"]
+    runs = [stage_main("rm")(config(tmp_path / str(z), *common, f"rm.deepspeed.zero_stage={z}"), "rm", None, {"from": sft["uri"]})
             for z in (0, 3)]
     assert losses(runs[1]["uri"]) == pytest.approx(losses(runs[0]["uri"]), rel=1e-5)
     a, b = weights(runs[0]["uri"]), weights(runs[1]["uri"])

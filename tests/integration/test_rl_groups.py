@@ -27,7 +27,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("ray_session")]
 STEPS = 3
 # Same global batch for both runs: 8 prompts x 4 samples = 32 responses per RL step, two optimizer
 # steps of 16 each; 1 worker accumulates 2 micro-batches of 8, 2 workers take one each.
-PPO = ["pipeline=full", f"rl.batch.max_steps={STEPS}", "rl.rollout.prompts_per_step=8", "rl.generation.n_samples_per_prompt=4",
+PPO = [f"rl.batch.max_steps={STEPS}", "rl.rollout.prompts_per_step=8", "rl.generation.n_samples_per_prompt=4",
        "rl.batch.global_batch_size=16", "rl.batch.micro_batch_size=8", "rl.logging.eval_every=100", "rl.checkpoint.every_steps=2",
        "rl.workers.colocate=all"]
 # Per-step figures that must agree, and how closely: float32 sums in another order (gathered
@@ -38,17 +38,18 @@ REL, ABS = 1e-4, 1e-6
 
 @pytest.fixture(scope="module")
 def upstream(tmp_path_factory) -> dict[str, str]:
-    """A briefly trained SFT model and reward model (pipeline `full` up to rm): {input name: stage URI}."""
+    """A briefly trained SFT model and reward model (tiny-ppo.yaml's sft and rm): {input role: stage URI}."""
     from alignflow.stages.rm.stage import main as rm_main
     from alignflow.stages.sft.stage import main as sft_main
 
     root = tmp_path_factory.mktemp("rl-groups-upstream")
-    short = [f"storage.root={root}", *QUIET, "pipeline=full", "sft.batch.max_steps=10", "sft.logging.eval_every=1000",
+    short = [f"storage.root={root}", *QUIET, "rm.from=sft", "sft.batch.max_steps=10", "sft.logging.eval_every=1000",
              "rm.batch.max_steps=5", "rm.data.max_samples=320", "rm.logging.eval_every=1000"]
     with contextlib.chdir(ROOT):
-        sft = sft_main(load_config(ROOT / "configs" / "tiny.yaml", short))
-        rm = rm_main(load_config(ROOT / "configs" / "tiny.yaml", [*short, "stop_after=rm"]))
-    return {"sft": sft["uri"], "rm": rm["uri"]}
+        cfg = load_config(ROOT / "configs" / "tiny.yaml", short)
+        sft = sft_main(cfg, "sft")
+        rm = rm_main(cfg, "rm")  # finds the SFT output from the config
+    return {"from": sft["uri"], "reward_model": rm["uri"]}
 
 
 def ppo(root: Path, inputs: dict[str, str], workers: int, zero_stage: int) -> dict:
@@ -59,7 +60,7 @@ def ppo(root: Path, inputs: dict[str, str], workers: int, zero_stage: int) -> di
     cfg = load_config(ROOT / "configs" / "tiny-ppo.yaml", [f"storage.root={root}", *QUIET, *PPO, *per_role,
                                                            f"rl.workers.cpus_per_worker={2 / workers}",
                                                            f"rl.deepspeed.zero_stage={zero_stage}"])
-    return main(cfg, None, inputs)
+    return main(cfg, "rl", None, inputs)
 
 
 def step_metrics(result: dict) -> list[dict]:
@@ -106,7 +107,7 @@ def test_frozen_roles_are_partitioned_under_zero3(tiny_model_path, tokenizer):
     from alignflow.stages.common.generation import Rollout
     from alignflow.stages.common.workers import WorkerGroup, plan_slots, release
 
-    rl = load_config(ROOT / "configs" / "tiny-ppo.yaml", [*QUIET, *PPO, "rl.deepspeed.zero_stage=3"]).rl
+    rl = load_config(ROOT / "configs" / "tiny-ppo.yaml", [*QUIET, *PPO, "rl.deepspeed.zero_stage=3"]).section("rl")
     plain = rl.model_copy(update={"deepspeed": rl.deepspeed.model_copy(update={"zero_stage": 0})})
     g, vocab = torch.Generator().manual_seed(0), len(tokenizer)
     ids = lambda n: torch.randint(0, vocab, (n,), generator=g).tolist()  # noqa: E731

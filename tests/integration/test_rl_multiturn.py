@@ -22,7 +22,7 @@ def config(root, *overrides):
 
 def test_multiturn_grpo_raises_the_success_rate(tiny_sft, tmp_path):
     _, sft = tiny_sft
-    result = main(config(tmp_path), None, {"sft": sft["uri"]})  # configs/tiny-multiturn.yaml as shipped
+    result = main(config(tmp_path), "rl", None, {"from": sft["uri"]})  # configs/tiny-multiturn.yaml as shipped
     m, steps = result["metrics"], [r for r in history(result["uri"]) if "success" in r]
     first, last = sum(r["success"] for r in steps[:10]) / 10, sum(r["success"] for r in steps[-10:]) / 10
     print(f"\nmulti-turn grpo: held-out greedy success {m['eval/success_initial']:.3f} -> {m['eval/success']:.3f} "
@@ -46,7 +46,7 @@ def test_every_estimator_trains_on_multiturn_episodes(tiny_sft, tmp_path, estima
     result = main(config(tmp_path, f"rl.advantage.estimator={estimator}", "rl.batch.max_steps=2", "rl.kl.coef=0.01",
                          "rl.rollout.prompts_per_step=4", "rl.generation.n_samples_per_prompt=4",
                          "rl.batch.global_batch_size=16", "rl.batch.micro_batch_size=16", "rl.logging.eval_every=100",
-                         *extra), None, {"sft": sft["uri"]})
+                         *extra), "rl", None, {"from": sft["uri"]})
     (*_, last) = [r for r in history(result["uri"]) if "policy_loss" in r]
     assert all(torch.isfinite(torch.tensor(v)) for v in last.values())
     assert last["turns"] > 1 and 0 <= last["success"] <= 1 and last["logprob_mismatch"] < 1e-4

@@ -19,12 +19,13 @@ pytestmark = pytest.mark.usefixtures("ray_session")  # one private Ray for the m
 
 
 def config(root, *overrides, file="tiny.yaml"):
-    return load_config(ROOT / "configs" / file, [f"storage.root={root}", *QUIET, "pipeline=grpo", *overrides])
+    """`file` with an rl stage from its sft stage (tiny.yaml: its rl defaults, GRPO; tiny-ppo.yaml has one already)."""
+    return load_config(ROOT / "configs" / file, [f"storage.root={root}", *QUIET, "rl.from=sft", *overrides])
 
 
 def test_grpo_raises_held_out_accuracy(tiny_sft, tmp_path):
     _, sft = tiny_sft
-    result = main(config(tmp_path), None, {"sft": sft["uri"]})  # configs/tiny.yaml's rl section as shipped
+    result = main(config(tmp_path), "rl", None, {"from": sft["uri"]})  # configs/tiny.yaml's rl defaults as shipped
     m, steps = result["metrics"], [r for r in history(result["uri"]) if "reward/mean" in r]
     first, last = sum(r["reward/mean"] for r in steps[:10]) / 10, sum(r["reward/mean"] for r in steps[-10:]) / 10
     print(f"\ngrpo: held-out greedy accuracy {m['eval/reward_initial']:.3f} -> {m['eval/reward']:.3f}; "
@@ -35,8 +36,8 @@ def test_grpo_raises_held_out_accuracy(tiny_sft, tmp_path):
 
 def test_ppo_with_critic_raises_the_reward_model_score(tiny_sft, tiny_rm, tmp_path):
     (_, sft), (_, rm) = tiny_sft, tiny_rm
-    result = main(config(tmp_path, "pipeline=full", "rl.batch.max_steps=20", file="tiny-ppo.yaml"), None,
-                  {"sft": sft["uri"], "rm": rm["uri"]})
+    result = main(config(tmp_path, "rl.batch.max_steps=20", file="tiny-ppo.yaml"), "rl", None,
+                  {"from": sft["uri"], "reward_model": rm["uri"]})
     steps = [r for r in history(result["uri"]) if "reward/mean" in r]
     first, last = sum(r["reward/mean"] for r in steps[:5]) / 5, sum(r["reward/mean"] for r in steps[-5:]) / 5
     kl = max(r["kl"] for r in steps)
@@ -53,7 +54,7 @@ def test_every_estimator_runs(tiny_sft, tmp_path, estimator):
     _, sft = tiny_sft
     extra = ["rl.rollout.dynamic_sampling=true", "rl.reward.overlong_buffer=4"] if estimator == "dr_grpo" else []
     result = main(config(tmp_path, f"rl.advantage.estimator={estimator}", "rl.batch.max_steps=2", "rl.kl.coef=0.01",
-                         "rl.logging.eval_every=100", *extra), None, {"sft": sft["uri"]})
+                         "rl.logging.eval_every=100", *extra), "rl", None, {"from": sft["uri"]})
     (*_, last) = [r for r in history(result["uri"]) if "policy_loss" in r]
     assert all(torch.isfinite(torch.tensor(v)) for v in last.values())
     assert last["kl_coef"] == 0.01 and "kl_loss" in last and last["logprob_mismatch"] < 1e-4
@@ -64,13 +65,13 @@ def test_every_estimator_runs(tiny_sft, tmp_path, estimator):
 def test_killed_run_resumes_to_the_same_weights(tiny_sft, tmp_path, monkeypatch):
     _, sft = tiny_sft
     short = ["rl.batch.max_steps=6", "rl.checkpoint.every_steps=2", "rl.logging.eval_every=3", "rl.kl.coef=0.02", "rl.kl.target=0.01"]
-    straight = main(config(tmp_path / "a", *short), None, {"sft": sft["uri"]})
+    straight = main(config(tmp_path / "a", *short), "rl", None, {"from": sft["uri"]})
     cfg = config(tmp_path / "b", *short)
     monkeypatch.setenv(FAIL_AT_STEP_ENV, "5")
     with pytest.raises(InjectedFailure):
-        main(cfg, None, {"sft": sft["uri"]})
+        main(cfg, "rl", None, {"from": sft["uri"]})
     monkeypatch.delenv(FAIL_AT_STEP_ENV)
-    resumed = main(cfg, None, {"sft": sft["uri"]})
+    resumed = main(cfg, "rl", None, {"from": sft["uri"]})
     assert resumed["resumed_from_step"] == 4
     a, b = weights(straight["uri"]), weights(resumed["uri"])
     for name in a:
@@ -85,4 +86,4 @@ def test_bad_reward_function_fails_naming_the_sample(tiny_sft, tmp_path):
     bad.write_text("def score(prompts, completions, answer, **kw):\n"
                    "    return [float('nan') if p.startswith('rev') else 1.0 for p in prompts]\n")
     with pytest.raises(RewardError, match=r"returned nan for sample \d+ \(prompt 'rev "):
-        main(config(tmp_path, f"rl.reward.function={bad}:score", "rl.batch.max_steps=1"), None, {"sft": sft["uri"]})
+        main(config(tmp_path, f"rl.reward.function={bad}:score", "rl.batch.max_steps=1"), "rl", None, {"from": sft["uri"]})

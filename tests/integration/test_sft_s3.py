@@ -15,18 +15,18 @@ from .conftest import sft_config, weights
 
 def test_sft_on_s3_publishes_and_resumes_from_s3_checkpoints(tmp_path, s3_server, monkeypatch):
     steps = ("sft.batch.max_steps=6", "sft.checkpoint.every_steps=2")
-    local = main(sft_config(tmp_path, *steps))
+    local = main(sft_config(tmp_path, *steps), "sft")
     cfg = sft_config(tmp_path, *steps, "storage.root=s3://alignflow-test/runs")
 
     monkeypatch.setenv(FAIL_AT_STEP_ENV, "5")
     with pytest.raises(InjectedFailure):
-        main(cfg)
+        main(cfg, "sft")
     monkeypatch.delenv(FAIL_AT_STEP_ENV)
-    uri = f"s3://alignflow-test/runs/tiny/sft/{local['cache_key']}"
+    uri = f"s3://alignflow-test/runs/sft/{local['cache_key']}"
     assert storage.list_dirs(storage.join(uri, "checkpoints")) == [tag(2), tag(4)]
     assert manifest.verify(uri) is None
 
-    resumed = main(cfg)
+    resumed = main(cfg, "sft")
     assert resumed["uri"] == uri and resumed["resumed_from_step"] == 4
     published = manifest.verify(uri)
     assert published is not None and published.meta["cache_key"] == local["cache_key"]

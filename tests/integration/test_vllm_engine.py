@@ -29,7 +29,7 @@ LOGPROB_ATOL = 2e-4
 
 def rl_config(root, *overrides):
     return load_config(ROOT / "configs" / "tiny.yaml",
-                       [f"storage.root={root}", *QUIET, "pipeline=grpo", "rl.generation.engine=vllm", *overrides])
+                       [f"storage.root={root}", *QUIET, "rl.from=sft", "rl.generation.engine=vllm", *overrides])
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +43,7 @@ def engine(tiny_sft, ray_session):
     path = str(Path(sft["uri"]) / "model")
     # No CPU reserved: the module's stage runs need the whole 2-CPU cluster for their bundles while this lives.
     worker = ray.remote(RolloutWorker).options(num_cpus=0).remote(0, 1, 2)
-    ray.get(worker.setup.remote(rl_config(cfg.storage.root).rl, path, None))
+    ray.get(worker.setup.remote(rl_config(cfg.storage.root).section("rl"), path, None))
     yield worker, path
     ray.kill(worker)
 
@@ -80,7 +80,7 @@ def test_generate_contract_and_sampled_logprobs(engine):
     assert ray.get(worker.generate.remote(prompts, params)) == rollouts  # seeded: the same call samples the same
 
     # The engine's log-probs are the trainer's quantity: log-softmax(logits / T) of the sampled token.
-    model = load_causal_lm(path, rl_config("/tmp").rl.model).eval()
+    model = load_causal_lm(path, rl_config("/tmp").section("rl").model).eval()
     ours = hf_logprobs(model, [r.prompt_ids + r.response_ids for r in rollouts], temperature=0.7)
     diff = max(abs(a - b) for r, lp in zip(rollouts, ours) for a, b in zip(r.logprobs, lp[len(r.prompt_ids) - 1:]))
     assert diff < LOGPROB_ATOL, diff
@@ -97,7 +97,7 @@ def test_weight_sync_engine_matches_the_updated_actor(engine):
     worker, path = engine
     tok = load_tokenizer(path)
     sequences = [tok(text)["input_ids"] for text in ("reverse: abc\ncba", "add: 12+7\n19", "reverse: dog\ngod")]
-    model = load_causal_lm(path, rl_config("/tmp").rl.model)
+    model = load_causal_lm(path, rl_config("/tmp").section("rl").model)
     before = ray.get(worker.score.remote(sequences))
     assert max_diff(before, hf_logprobs(model.eval(), sequences)) < LOGPROB_ATOL
 
@@ -117,7 +117,7 @@ def test_weight_sync_engine_matches_the_updated_actor(engine):
     assert mismatch < LOGPROB_ATOL
     assert moved > 100 * LOGPROB_ATOL
 
-    ray.get(worker.load_weights.remote(dict(load_causal_lm(path, rl_config("/tmp").rl.model).state_dict())))  # restore
+    ray.get(worker.load_weights.remote(dict(load_causal_lm(path, rl_config("/tmp").section("rl").model).state_dict())))  # restore
     assert max_diff(ray.get(worker.score.remote(sequences)), before) < LOGPROB_ATOL
 
 
@@ -128,7 +128,7 @@ def test_grpo_on_vllm_learns_like_hf_and_keeps_engine_and_trainer_in_step(tiny_s
     from alignflow.stages.rl.stage import main
 
     _, sft = tiny_sft
-    result = main(rl_config(tmp_path, "rl.generation.importance_cap=2.0"), None, {"sft": sft["uri"]})
+    result = main(rl_config(tmp_path, "rl.generation.importance_cap=2.0"), "rl", None, {"from": sft["uri"]})
     m = result["metrics"]
     steps = [r for r in history(result["uri"]) if "reward/mean" in r]
     first, last = sum(r["reward/mean"] for r in steps[:10]) / 10, sum(r["reward/mean"] for r in steps[-10:]) / 10
@@ -150,8 +150,8 @@ def test_engine_death_fails_the_step_and_the_retry_resumes(tiny_sft, ray_session
     # Generate calls: held-out eval before step 1, steps 1..4 -> call 5 is step 4's rollout.
     monkeypatch.setenv(KILL_ENGINE_ENV, "5")
     with pytest.raises(EngineError, match="died during generation"):
-        main(cfg, None, {"sft": sft["uri"]})
+        main(cfg, "rl", None, {"from": sft["uri"]})
     monkeypatch.delenv(KILL_ENGINE_ENV)
-    result = main(cfg, None, {"sft": sft["uri"]})
+    result = main(cfg, "rl", None, {"from": sft["uri"]})
     steps = [r["step"] for r in history(result["uri"]) if "reward/mean" in r]
     assert result["resumed_from_step"] == 2 and steps[-1] == 4

@@ -4,7 +4,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from alignflow.config import DataConfig
+from alignflow.stages.sft.config import DataConfig
 from alignflow.stages.common.data import (
     DataError, Sample, collate, global_batch, pack, rank_micro_batches, read_rows, split_holdout, steps_per_epoch,
 )

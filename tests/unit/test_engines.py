@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def rl(*overrides):
-    return load_config(ROOT / "configs" / "tiny.yaml", ["pipeline=grpo", *overrides])
+    return load_config(ROOT / "configs" / "tiny.yaml", ["rl.from=sft", *overrides])
 
 
 def test_vllm_missing_says_how_to_install(monkeypatch):
@@ -36,7 +36,7 @@ def test_sleep_mode_is_refused_off_gpus():
     with pytest.raises(ConfigError, match="generation.sleep .* needs"):
         rl("rl.generation.engine=vllm", "rl.generation.sleep=true", "rl.workers.gpus_per_worker=1", "rl.workers.colocate=pairs")
     ok = rl("rl.generation.engine=vllm", "rl.generation.sleep=true", "rl.workers.gpus_per_worker=1")
-    assert ok.rl.generation.sleep
+    assert ok.section("rl").generation.sleep
 
 
 def test_sleep_mode_engine_refuses_without_a_gpu(monkeypatch):

@@ -198,3 +198,13 @@ def test_graph_as_mermaid():
 
     text = mermaid(load_config(TULU), ["sft", "dpo", "grpo"])
     assert 'grpo["grpo (rl)"]' in text and "dpo -->|from| grpo" in text and "eval" not in text
+
+
+@pytest.mark.parametrize("module", ["alignflow.stages.rl.config", "alignflow.stages.eval.config", "alignflow.stages.kto.data"])
+def test_a_stage_module_imports_first_in_a_fresh_process(module):
+    """A Ray worker's first import is its stage's module (unpickling a worker class): no import cycle through the graph."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", f"import {module}"], capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]

@@ -6,7 +6,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from alignflow.config import KTODataConfig, PreferenceDataConfig
+from alignflow.config.base import PreferenceDataConfig
+from alignflow.stages.kto.config import KTODataConfig
 from alignflow.stages.common.data import DataError
 from alignflow.stages.common.pairs import collate_pairs, load_pairs
 from alignflow.stages.kto.data import load_kto_rows

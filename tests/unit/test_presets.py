@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from alignflow.config import Estimator, Pipeline, load_config
+from alignflow.config import load_config
+from alignflow.stages.rl.config import Estimator
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.unit
@@ -20,8 +21,9 @@ def _in_repo_root(monkeypatch):
 
 def test_7b_grpo_preset():
     cfg = load_config(ROOT / "configs" / "7b-grpo.yaml")
-    rl = cfg.rl
-    assert cfg.pipeline == Pipeline.GRPO and cfg.sft == load_config(ROOT / "configs" / "7b-sft-zero3.yaml").sft
+    rl = cfg.section("rl")
+    assert cfg.order() == ["sft", "rl"] and cfg.inputs_of("rl") == {"from": "sft"}
+    assert cfg.section("sft") == load_config(ROOT / "configs" / "7b-sft-zero3.yaml").section("sft")
     assert rl.advantage.estimator == Estimator.GROUP_NORM and rl.critic is None and rl.kl.coef > 0  # reference, no critic
     assert (rl.deepspeed.zero_stage, rl.deepspeed.offload_optimizer, rl.deepspeed.precision) == (3, False, "bf16")
     g, w = rl.generation, rl.workers
@@ -33,9 +35,10 @@ def test_7b_grpo_preset():
 
 def test_70b_ppo_preset():
     cfg = load_config(ROOT / "configs" / "70b-ppo.yaml")
-    rl = cfg.rl
-    assert cfg.pipeline == Pipeline.FULL and rl.advantage.estimator == Estimator.GAE and rl.reward.model
-    for section in (cfg.sft, cfg.rm, rl):  # every 70B model trains with ZeRO-3 and the optimizer in host memory
+    rl = cfg.section("rl")
+    assert cfg.order() == ["sft", "rm", "rl"] and cfg.inputs_of("rl") == {"from": "sft", "reward_model": "rm"}
+    assert rl.advantage.estimator == Estimator.GAE and rl.reward.model == "rm"
+    for section in (cfg.section("sft"), cfg.section("rm"), rl):  # every 70B model trains with ZeRO-3 and the optimizer in host memory
         assert (section.deepspeed.zero_stage, section.deepspeed.offload_optimizer, section.deepspeed.precision) == (3, True, "bf16")
         assert section.model.gradient_checkpointing
     g, w = rl.generation, rl.workers
@@ -59,5 +62,5 @@ def test_70b_ppo_preset():
 def test_gsm8k_reward(completion, answer, reward):
     from alignflow.stages.rl.rewards import FunctionReward  # as the rl stage loads it
 
-    score = FunctionReward(load_config(ROOT / "configs" / "7b-grpo.yaml").rl.reward.function)
+    score = FunctionReward(load_config(ROOT / "configs" / "7b-grpo.yaml").section("rl").reward.function)
     assert score(["q"], [completion], [[1]], [[2]], {"answer": [answer]}).tolist() == [reward]

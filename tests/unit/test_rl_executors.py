@@ -158,13 +158,16 @@ def test_environment_class_must_exist(tmp_path):
 
 
 def tiny(*overrides):
-    return load_config(ROOT / "configs" / "tiny.yaml", list(overrides))
+    """configs/tiny.yaml with an rl stage from its sft stage (tiny.yaml's rl defaults)."""
+    return load_config(ROOT / "configs" / "tiny.yaml", ["rl.from=sft", *overrides])
 
 
 def test_shipped_multiturn_config():
     cfg = load_config(ROOT / "configs" / "tiny-multiturn.yaml")
-    assert cfg.rl.environment.path == ENV and cfg.rl.reward.function is None and cfg.pipeline.value == "grpo"
-    assert cfg.sft == tiny().sft  # the rest comes from tiny.yaml
+    rl = cfg.section("rl")
+    assert rl.environment.path == ENV and rl.reward.function is None
+    assert cfg.order() == ["sft", "rl"] and cfg.inputs_of("rl") == {"from": "sft"}
+    assert cfg.section("sft") == tiny().section("sft")  # the rest comes from tiny.yaml
 
 
 def test_environment_config_errors_are_named():
@@ -186,11 +189,11 @@ def test_environment_file_content_is_in_the_cache_key(tmp_path):
     env = tmp_path / "env.py"
     env.write_text("class Env:\n    pass\n")
     cfg = tiny("rl.reward.function=null", f"rl.environment.path={env}:Env")
-    before = data_inputs(cfg.rl)["environment:Env"]
+    before = data_inputs(cfg.section("rl"))["environment:Env"]
     env.write_text("class Env:\n    max = 2\n")
-    assert data_inputs(cfg.rl)["environment:Env"] != before
+    assert data_inputs(cfg.section("rl"))["environment:Env"] != before
     moved = tmp_path / "moved.py"
     env.rename(moved)
-    assert tiny("rl.reward.function=null", f"rl.environment.path={moved}:Env").rl.config_hash() == cfg.rl.config_hash()
-    assert cfg.rl.config_hash() != tiny("rl.reward.function=null", f"rl.environment.path={moved}:Env",
-                                        "rl.environment.max_turns=2").rl.config_hash()
+    assert tiny("rl.reward.function=null", f"rl.environment.path={moved}:Env").section("rl").config_hash() == cfg.section("rl").config_hash()
+    assert cfg.section("rl").config_hash() != tiny("rl.reward.function=null", f"rl.environment.path={moved}:Env",
+                                        "rl.environment.max_turns=2").section("rl").config_hash()

@@ -5,7 +5,8 @@ import math
 
 import pytest
 
-from alignflow.config import ConfigError, PromptDataConfig, load_config
+from alignflow.config import ConfigError, load_config
+from alignflow.config.base import PromptDataConfig
 from alignflow.stages.common.data import DataError
 from alignflow.stages.rl.data import columns_of, load_prompts
 from alignflow.stages.rl.rewards import FunctionReward, RewardError, overlong_penalty
@@ -14,7 +15,8 @@ from .test_config import ROOT
 
 
 def tiny(*overrides):
-    return load_config(ROOT / "configs" / "tiny.yaml", list(overrides))
+    """configs/tiny.yaml with an rl stage from its sft stage (tiny.yaml's rl defaults)."""
+    return load_config(ROOT / "configs" / "tiny.yaml", ["rl.from=sft", *overrides])
 
 
 def test_rl_config_contradictions_are_named():
@@ -26,22 +28,23 @@ def test_rl_config_contradictions_are_named():
     with pytest.raises(ConfigError, match="a `critic:` section is only used by advantage.estimator=gae, not rloo"):
         tiny("rl.advantage.estimator=rloo", "rl.critic.value_clip=0.2")
     with pytest.raises(ConfigError, match="give exactly one reward source"):
-        tiny("rl.reward.model=true")
+        tiny("rm.from=sft", "rl.reward.model=rm")
     with pytest.raises(ConfigError, match="reward function file not found: 'nope.py'"):
         tiny("rl.reward.function=nope.py:fn")
     with pytest.raises(ConfigError, match="responses per step must be a multiple of batch.global_batch_size"):
         tiny("rl.batch.global_batch_size=48", "rl.batch.micro_batch_size=16")
     single = tiny("rl.advantage.estimator=reinforce", "rl.generation.n_samples_per_prompt=1", "rl.batch.global_batch_size=16",
                   "rl.batch.micro_batch_size=16")
-    assert single.rl.advantage.estimator.value == "reinforce"
+    assert single.section("rl").advantage.estimator.value == "reinforce"
 
 
 def test_ppo_config_extends_tiny_and_validates():
     cfg = load_config(ROOT / "configs" / "tiny-ppo.yaml")
-    assert cfg.pipeline.value == "full" and cfg.rl.reward.model and cfg.rl.reward.function is None
-    assert cfg.rl.critic is not None and cfg.sft == tiny().sft  # the rest comes from tiny.yaml
-    assert [s.value for s in cfg.stages] == ["sft", "rm", "rl"]
-    assert [s.value for s in cfg.pipeline.inputs(cfg.stages[2])] == ["sft", "rm"]
+    rl = cfg.section("rl")
+    assert rl.reward.model == "rm" and rl.reward.function is None
+    assert rl.critic is not None and cfg.section("sft") == tiny().section("sft")  # the rest comes from tiny.yaml
+    assert cfg.order() == ["sft", "rm", "rl"]
+    assert cfg.inputs_of("rl") == {"from": "sft", "reward_model": "rm"}
 
 
 def test_reward_function_file_content_is_in_the_cache_key(tmp_path):
@@ -50,14 +53,14 @@ def test_reward_function_file_content_is_in_the_cache_key(tmp_path):
     from alignflow.lineage import data_inputs
 
     cfg = tiny(f"rl.reward.function={fn}:f")
-    before = data_inputs(cfg.rl)
+    before = data_inputs(cfg.section("rl"))
     fn.write_text("def f(prompts, completions, **kw):\n    return [1.0] * len(prompts)\n")
-    assert data_inputs(cfg.rl)["reward_function:f"] != before["reward_function:f"]
+    assert data_inputs(cfg.section("rl"))["reward_function:f"] != before["reward_function:f"]
     moved = tmp_path / "moved.py"
     fn.rename(moved)
     moved_cfg = tiny(f"rl.reward.function={moved}:f")
-    assert data_inputs(moved_cfg.rl)["reward_function:f"] == data_inputs(cfg.rl)["reward_function:f"] if fn.exists() else True
-    assert moved_cfg.rl.config_hash() == cfg.rl.config_hash()  # the path is not in the config hash
+    assert data_inputs(moved_cfg.section("rl"))["reward_function:f"] == data_inputs(cfg.section("rl"))["reward_function:f"] if fn.exists() else True
+    assert moved_cfg.section("rl").config_hash() == cfg.section("rl").config_hash()  # the path is not in the config hash
 
 
 def test_prompts_need_the_prompt_column(tmp_path, tokenizer):
@@ -110,10 +113,10 @@ def test_shipped_reward_and_overlong_penalty():
 def test_rl_steps_count_prompts_per_step():
     from alignflow.stages.common.run import total_steps
 
-    rl = load_config(ROOT / "configs" / "tiny.yaml", ["pipeline=grpo", "rl.batch.max_steps=null", "rl.batch.epochs=2"]).rl
+    rl = load_config(ROOT / "configs" / "tiny.yaml", ["rl.from=sft", "rl.batch.max_steps=null", "rl.batch.epochs=2"]).section("rl")
     per_step = ("rollout.prompts_per_step", rl.rollout.prompts_per_step)  # 16
     assert total_steps(100, rl, "prompts", per_step) == 6 * 2
-    capped = load_config(ROOT / "configs" / "tiny.yaml", ["pipeline=grpo", "rl.batch.max_steps=5"]).rl
+    capped = load_config(ROOT / "configs" / "tiny.yaml", ["rl.from=sft", "rl.batch.max_steps=5"]).section("rl")
     assert total_steps(100, capped, "prompts", per_step) == 5
     with pytest.raises(DataError, match="10 training prompts are fewer than rollout.prompts_per_step=16"):
         total_steps(10, rl, "prompts", per_step)

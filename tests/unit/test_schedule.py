@@ -1,6 +1,6 @@
 import pytest
 
-from alignflow.config import OptimConfig
+from alignflow.config.base import OptimConfig
 from alignflow.stages.common.strategy import lr_lambda
 
 
