@@ -66,8 +66,8 @@ def lineage_card(config: PipelineConfig, stage: str, results: dict[str, StageRes
 def register(config: PipelineConfig, tracker: Tracker, parent: str, results: dict[str, StageResult]) -> dict[str, Any] | None:
     """Register the configured stage's model; alias `candidate` only when it passes the gate."""
     stage = config.registered_stage
-    if stage is None or stage not in results:
-        return None
+    if stage is None or any(n not in results for n in config.needed_for(stage)):
+        return None  # not this run's (--until stopped before it), or not its whole lineage (--only)
     reg, final = config.registration, results[stage]
     tables = {n: eval_table(r) for n, r in results.items() if r.kind == "eval"}
     passed, why = True, "no gate"
