@@ -104,6 +104,7 @@ class Scheduler:
         self.running: dict[str, Any] = {}  # name -> Prefect future
         self.by_key: dict[str, str] = {}  # cache key -> the stage that runs it
         self.twins: dict[str, str] = {}  # a stage whose key another stage already runs -> that stage
+        self.keys: dict[str, str] = {}  # computed once per stage: a key hashes the stage's data
         self.task = run_stage.with_options(retries=config.ray.retries, retry_delay_seconds=config.ray.retry_delay_s)
 
     def run(self) -> None:
@@ -131,7 +132,9 @@ class Scheduler:
         threads = max(1, self.cpus // max(1, min(len(in_process), self.config.ray.max_parallel_stages))) if self.cpus else None
         for name in ready:
             upstream = {role: self.results[up] for role, up in self.config.inputs_of(name).items()}
-            key = stage_key(self.config, name, upstream)
+            if name not in self.keys:
+                self.keys[name] = stage_key(self.config, name, upstream)
+            key = self.keys[name]
             if key in self.by_key:  # the same result under another name: run once
                 self.twins[name] = self.by_key[key]
                 self.pending.remove(name)

@@ -31,14 +31,13 @@ import torch
 from alignflow.config import ConfigError, PipelineConfig, StageKind, dump_config
 from alignflow.config.base import BatchConfig, DataSource, DeepSpeedConfig, ModelConfig
 from alignflow.infra import manifest, storage
-from alignflow.lineage import data_inputs, input_digests, locate_inputs, stage_cache_key, stage_output_uri
 from alignflow.stages.common.checkpoint import seed_everything, staging_dir
 from alignflow.stages.common.generation import HFGenerator, Rollout, SamplingParams
 from alignflow.stages.common.models import fetch_published_model, load_causal_lm, load_reward_model, load_tokenizer, resolve_model_path
 from alignflow.stages.common.pairs import Pair, load_pairs, pair_logps, pair_rewards
 from alignflow.stages.common.publish import finish_publish, publish_dir
 from alignflow.stages.common.rowwise import all_rows
-from alignflow.stages.common.run import check_cache_key
+from alignflow.stages.common.run import TrainingRun
 from alignflow.stages.common.strategy import Strategy
 from alignflow.stages.common.tracking import StageTracking
 from alignflow.stages.dpo.losses import preference_loss
@@ -58,17 +57,11 @@ Generate = Callable[[list[list[int]], SamplingParams], list[Rollout]]
 def main(cfg: PipelineConfig, stage: str, output_uri: str | None = None, inputs: dict[str, str] | None = None,
          expected_key: str | None = None) -> dict[str, Any]:
     # ------------------------------------------------------------------ setup
-    section: EvalConfig = cfg.section(stage)
-    inputs = dict(inputs) if inputs else locate_inputs(cfg, stage)  # role -> published stage URI
-    digests = input_digests(inputs)
-    fingerprints = data_inputs(section)
-    key = stage_cache_key(cfg, stage, digests, data=fingerprints)
-    check_cache_key(stage, key, expected_key)
-    out = output_uri or stage_output_uri(cfg, stage, key)
-    done = manifest.verify(out)
-    if done is not None:
-        print(f"{stage}: already complete at {out} (cache key {key})", flush=True)
-        return {"stage": stage, "uri": out, "cache_key": key, "cached": True, "metrics": done.meta.get("metrics", {})}
+    run = TrainingRun(cfg, stage, output_uri, inputs, expected_key)  # inputs, digests, key, output: as every stage
+    if run.done:
+        return run.cached_result()
+    section: EvalConfig = run.section
+    inputs, digests, fingerprints, key, out = run.inputs, run.input_digests, run.fingerprints, run.key, run.out
     if section.generation.engine == "vllm" and (section.verifier or section.reward_model):
         from alignflow.stages.common.vllm_engine import require_vllm
 
