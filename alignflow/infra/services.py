@@ -21,7 +21,7 @@ import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from alignflow.infra.ports import free_port
+from alignflow.infra.ports import free_port, free_ports
 
 BIN = Path(sys.executable).parent  # the same venv's ray / prefect / mlflow
 
@@ -144,14 +144,14 @@ def _home(kind: str, base: str | None) -> Path:
 def start_ray_head(num_cpus: int | None = None, base: str | None = None, timeout: float = 120) -> Service:
     """A private Ray head; `url` is its dashboard / Jobs API on 127.0.0.1."""
     home = _home("ray", base)
-    dashboard = free_port()
+    gcs, dashboard, client, agent, agent_grpc, env_agent, metrics, node, objects = free_ports(9)
     cmd = [str(BIN / "ray"), "start", "--head", "--block", "--disable-usage-stats",
-           "--node-ip-address=127.0.0.1", f"--port={free_port()}", "--dashboard-host=127.0.0.1",
+           "--node-ip-address=127.0.0.1", f"--port={gcs}", "--dashboard-host=127.0.0.1",
            f"--dashboard-port={dashboard}", "--include-dashboard=true", f"--temp-dir={home}",
-           f"--ray-client-server-port={free_port()}", f"--dashboard-agent-listen-port={free_port()}",
-           f"--dashboard-agent-grpc-port={free_port()}", f"--runtime-env-agent-port={free_port()}",
-           f"--metrics-export-port={free_port()}", f"--node-manager-port={free_port()}",
-           f"--object-manager-port={free_port()}", f"--num-cpus={num_cpus or os.cpu_count() or 1}"]
+           f"--ray-client-server-port={client}", f"--dashboard-agent-listen-port={agent}",
+           f"--dashboard-agent-grpc-port={agent_grpc}", f"--runtime-env-agent-port={env_agent}",
+           f"--metrics-export-port={metrics}", f"--node-manager-port={node}",
+           f"--object-manager-port={objects}", f"--num-cpus={num_cpus or os.cpu_count() or 1}"]
     # The venv's bin first on PATH: a job's bare `python` is then this interpreter.
     env = {"PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}", "RAY_USAGE_STATS_ENABLED": "0",
            # Ray 2.60 turns token auth on by itself when ~/.ray/auth_token exists (any local `ray.init()`

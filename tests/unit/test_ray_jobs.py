@@ -16,3 +16,10 @@ def test_bad_input_exit_code_is_not_retryable():
     assert died.retryable
     stopped = failure("j3", "STOPPED", "Job was intentionally stopped.", "")
     assert stopped.retryable
+
+
+def test_free_ports_are_distinct():
+    from alignflow.infra.ports import free_ports
+
+    ports = free_ports(64)
+    assert len(set(ports)) == 64
