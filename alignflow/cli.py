@@ -117,13 +117,19 @@ def run(
         raise typer.Exit(BAD_INPUT)
     cfg = _load(path, overrides)
     try:
-        from alignflow.flows.alignment import plan
+        from alignflow.flows.alignment import check_storage, plan
 
         plan(cfg, until, only)
+        check_storage(cfg)
     except ConfigError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(BAD_INPUT) from None
     _prefect_defaults()
+    import psutil
+
+    from alignflow.infra import watchdog
+
+    watchdog.start(os.getpid(), psutil.Process().create_time())  # even a SIGKILL of this process leaves nothing running
     with _services_for(cfg):
         from alignflow.flows.alignment import alignment
 

@@ -2,3 +2,4 @@
 
 OK = 0
 BAD_INPUT = 2  # the user's config, data, code or model path: a retry cannot help, so it is never retried
+ORPHANED = 3  # a stage job whose run is gone (its lease was not renewed): it stopped itself

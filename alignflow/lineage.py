@@ -40,7 +40,7 @@ def input_digests(inputs: dict[str, str]) -> dict[str, str]:
     """Manifest digest of each input role's published output; one that is not published is an error."""
     out = {}
     for role, uri in inputs.items():
-        published = manifest.verify(uri, check_hashes=False)
+        published = manifest.verify(uri)
         if published is None:
             raise ConfigError(f"input {role}={uri}: no published stage output there (no MANIFEST.json that verifies)")
         out[role] = published.digest
@@ -72,4 +72,4 @@ def published_uri(cfg: PipelineConfig, stage: str) -> str | None:
     except ConfigError:
         return None
     uri = stage_output_uri(cfg, stage, stage_cache_key(cfg, stage, input_digests(upstream)))
-    return uri if manifest.verify(uri, check_hashes=False) is not None else None
+    return uri if manifest.verify(uri) is not None else None

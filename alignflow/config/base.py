@@ -42,6 +42,28 @@ class ModelConfig(Frozen):
     attn_implementation: Literal["sdpa", "eager"] = "sdpa"
     gradient_checkpointing: bool = False
 
+    @field_validator("name_or_path")
+    @classmethod
+    def _model_exists(cls, v: str | None) -> str | None:
+        # Checked at load, so a typo fails before any job (and is never retried): a built-in that does not
+        # exist, or a local folder (a name starting with / . or ~) that is not there. Hub names are
+        # checked where they load (offline and not in the cache is bad input too).
+        from alignflow.stages.common.builtin_model import BUILTIN_PREFIX, BUILTINS
+
+        if v is None or "://" in v:
+            return v
+        if v.startswith(BUILTIN_PREFIX):
+            if v.removeprefix(BUILTIN_PREFIX) not in BUILTINS:
+                raise ValueError(f"unknown built-in model {v!r}; choose one of {', '.join(BUILTIN_PREFIX + k for k in BUILTINS)}")
+            return v
+        p = Path(v).expanduser()
+        if (p / "config.json").is_file():
+            return str(p.resolve())
+        if v.startswith((".", "/", "~")):
+            what = "has no config.json (not a Hugging Face model folder)" if p.is_dir() else "does not exist"
+            raise ValueError(f"local model folder {v!r} {what} (relative paths are resolved against {Path.cwd()})")
+        return v
+
 
 class DataSource(Frozen):
     """Where a stage's rows come from and how they are cut; every stage's data config extends it."""
@@ -144,11 +166,17 @@ class RayConfig(Frozen):
     retry_delay_s: int = Field(5, ge=0)
     max_parallel_stages: int = Field(3, ge=1, description="Stage jobs of one run that may run at once (independent branches "
                                                           "of the graph); torch threads are shared out between them.")
+    lease_timeout_s: float = Field(60, ge=5, description="A stage job stops itself when the run that started it has not "
+                                   "renewed the stage's lease for this long (that run was killed).")
+    wait_for_running_stage: bool = Field(True, description="A stage another live run is writing: wait for it and take its "
+                                         "result (true), or fail at once (false).")
 
 
 class TrackingConfig(Frozen):
     uri: str | None = Field(None, description="MLflow tracking URI; unset: MLFLOW_TRACKING_URI, else a local sqlite store.")
     experiment: str = "alignflow"
+    artifact_location: str | None = Field(None, description="Where a new experiment keeps its MLflow artifacts; unset: "
+                                          "`{storage.root}/mlflow-artifacts` (a tracking server: its own artifact root).")
 
 
 class TrainingSection(Frozen):
@@ -224,6 +252,10 @@ def python_object_spec(v: str, what: str, form: str) -> str:
     file = Path(path).expanduser()
     if not file.is_file():
         raise ValueError(f"{what} file not found: {path!r} (relative paths are resolved against {Path.cwd()})")
+    try:  # a syntax error fails here, at load, not in a job (errors while importing it are the job's to report)
+        compile(file.read_bytes(), str(file), "exec")
+    except SyntaxError as exc:
+        raise ValueError(f"{what} file {path}:{exc.lineno}: {exc.msg}") from None
     return f"{file.resolve()}:{name}"
 
 

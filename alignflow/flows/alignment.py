@@ -16,14 +16,13 @@ import signal
 import threading
 import time
 from typing import Any
-from urllib.parse import urlparse
 
 from prefect import flow, get_run_logger
 from prefect.states import Completed, Failed
 
 from alignflow.config import ConfigError, PipelineConfig, load_config
 from alignflow.flows.handoff import eval_table, register
-from alignflow.infra import manifest, ray_jobs
+from alignflow.infra import manifest, ray_jobs, storage
 from alignflow.infra.tracking import Tracker
 from alignflow.lineage import published_uri
 from alignflow.tasks.stage import RunContext, StageResult, result_from_manifest, run_stage, stage_key, tracking_settings
@@ -52,6 +51,14 @@ def _stop_jobs_on_sigterm() -> None:
         raise SystemExit(128 + signum)
 
     signal.signal(signal.SIGTERM, handler)
+
+
+def check_storage(config: PipelineConfig) -> None:
+    """The storage root can take the run's outputs (bucket exists, folder writable, disk not full): bad input if not."""
+    try:
+        storage.preflight(config.storage.root)
+    except storage.StorageError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def plan(config: PipelineConfig, until: str | None = None, only: str | None = None) -> list[str]:
@@ -84,8 +91,7 @@ def published_inputs(config: PipelineConfig, stage: str) -> dict[str, StageResul
 
 def local_cpus(config: PipelineConfig, address: str) -> int | None:
     """CPUs of a head on this machine (shared out between concurrent jobs); None for a remote cluster."""
-    host = urlparse(address).hostname or ""
-    return (config.ray.num_cpus or os.cpu_count() or 1) if host in ("127.0.0.1", "localhost", "::1") else None
+    return (config.ray.num_cpus or os.cpu_count() or 1) if ray_jobs.is_local_address(address) else None
 
 
 def mermaid(config: PipelineConfig, stages: list[str]) -> str:
@@ -178,9 +184,12 @@ def alignment(config: str = "configs/tiny.yaml", overrides: list[str] | None = N
     started = time.time()
     cfg = load_config(config, overrides or [])
     stages = plan(cfg, until, only)
+    check_storage(cfg)
     inputs = published_inputs(cfg, only) if only else {}
     address = ray_address(cfg)  # fails before any MLflow run is opened
     tracker = Tracker(tracking_settings(cfg))
+    for run_id in tracker.fail_stale_runs(cfg.name):
+        log.warning("MLflow run %s was left RUNNING by a flow process that is gone; marked FAILED", run_id)
     flow_run_id = _flow_run_id()
     tags = {"alignflow.name": cfg.name, "alignflow.config_hash": cfg.config_hash(), "alignflow.stages": ",".join(stages),
             "prefect.flow_run_id": str(flow_run_id)}
@@ -193,8 +202,11 @@ def alignment(config: str = "configs/tiny.yaml", overrides: list[str] | None = N
         if scheduler.failed:
             names = ", ".join(scheduler.failed)
             skipped = f" (skipped: {', '.join(scheduler.skipped)})" if scheduler.skipped else ""
-            raise RuntimeError(f"stages failed: {names}{skipped}; re-run to resume them from their checkpoints\n" +
-                               "\n".join(f"{n}: {exc}" for n, exc in scheduler.failed.items()))
+            details = "\n".join(f"{n}: {exc}" for n, exc in scheduler.failed.items())
+            if all(isinstance(e, ray_jobs.StageJobError) and not e.retryable for e in scheduler.failed.values()):
+                # Bad input: the run ends with its exit code (a re-run as it is would fail the same way).
+                raise ConfigError(f"stages failed on bad input: {names}{skipped}; fix it and run again\n{details}")
+            raise RuntimeError(f"stages failed: {names}{skipped}; re-run to resume them from their checkpoints\n{details}")
         results = {n: scheduler.results[n] for n in stages}
         registered = register(cfg, tracker, parent, results)
         tracker.log_metrics(parent, {f"{n}/{k}".replace("@", "_at_"): v for n, r in results.items()  # MLflow refuses `@`

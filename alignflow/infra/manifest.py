@@ -12,7 +12,9 @@ import datetime as dt
 import hashlib
 import json
 import logging
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from alignflow import __version__
@@ -20,6 +22,9 @@ from alignflow.infra import storage
 
 STAGE_MANIFEST = "MANIFEST.json"
 CHECKPOINT_MANIFEST = "CHECKPOINT_MANIFEST.json"
+# Not part of a stage's result: step checkpoints (their own manifests), and the run's bookkeeping under job/
+# (the config the job read, its lease, a failed attempt's log), which changes while the result stands.
+NOT_PUBLISHED = ("checkpoints/", "job/")
 log = logging.getLogger(__name__)
 
 
@@ -71,20 +76,66 @@ def read_manifest(root_uri: str, name: str = STAGE_MANIFEST) -> Manifest | None:
 
 
 def verify(root_uri: str, name: str = STAGE_MANIFEST, check_hashes: bool = True) -> Manifest | None:
-    """The manifest if it exists and every listed file has its size (and sha256); else None, with a warning."""
+    """The manifest if it exists and every listed file has its size (and sha256); else None, with a
+    warning naming the file."""
+    found, problem = check(root_uri, name, check_hashes)
+    if problem:
+        log.warning("%s", problem)
+    return found
+
+
+def check(root_uri: str, name: str = STAGE_MANIFEST, check_hashes: bool = True) -> tuple[Manifest | None, str | None]:
+    """(the manifest if it verifies, else None; what is wrong, if anything). No manifest is no problem.
+
+    Every file is hashed the first time, and again whenever the store's stamp of it (size, mtime, ctime and
+    inode on disk; ETag and last-modified on S3) differs from the one recorded when it last matched: so
+    the full check is cheap enough to run on every cache answer, and a same-size rewrite is still caught."""
     try:
         manifest = read_manifest(root_uri, name)
     except (json.JSONDecodeError, KeyError, OSError) as exc:
-        log.warning("unreadable manifest at %s: %s", root_uri, exc)
-        return None
+        return None, f"unreadable manifest at {root_uri}: {exc}"
     if manifest is None:
-        return None
-    sizes = storage.walk_files(root_uri)
+        return None, None
+    stats = storage.walk_stats(root_uri)
+    record = _verified(root_uri, name) if check_hashes else {}
+    fresh = {}
     for rel, info in manifest.files.items():
-        if sizes.get(rel) != info["size"]:
-            log.warning("manifest at %s: %s is missing or has the wrong size", root_uri, rel)
-            return None
-        if check_hashes and storage.sha256_of(storage.join(root_uri, rel)) != info["sha256"]:
-            log.warning("manifest at %s: %s has the wrong sha256", root_uri, rel)
-            return None
-    return manifest
+        size, stamp = stats.get(rel, (None, None))
+        if size != info["size"]:
+            return None, f"manifest at {root_uri}: {rel} is missing or has the wrong size"
+        if not check_hashes or (stamp is not None and record.get(rel) == [size, stamp, info["sha256"]]):
+            continue
+        if storage.sha256_of(storage.join(root_uri, rel)) != info["sha256"]:
+            return None, f"manifest at {root_uri}: {rel} does not match its sha256 (changed after it was published)"
+        if stamp is not None:
+            fresh[rel] = [size, stamp, info["sha256"]]
+    if fresh:
+        _record_verified(root_uri, name, {**record, **fresh})
+    return manifest, None
+
+
+# ------------------------------------------------------------------ what was verified, and when
+
+
+def _record_path(root_uri: str, name: str) -> Path:
+    home = Path(os.environ.get("ALIGNFLOW_HOME", Path.home() / ".alignflow"))
+    return home / "verified" / f"{hashlib.sha256(f'{root_uri}|{name}'.encode()).hexdigest()[:32]}.json"
+
+
+def _verified(root_uri: str, name: str) -> dict[str, list]:
+    try:
+        return json.loads(_record_path(root_uri, name).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _record_verified(root_uri: str, name: str, record: dict[str, list]) -> None:
+    """Best effort (a read-only home only costs a re-hash next time); atomic, as several jobs may verify at once."""
+    path = _record_path(root_uri, name)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(record))
+        os.replace(tmp, path)
+    except OSError as exc:
+        log.debug("could not record verified files of %s: %s", root_uri, exc)

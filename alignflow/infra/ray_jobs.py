@@ -24,9 +24,12 @@ ACTIVE: dict[str, str] = {}  # job id -> Jobs API address, for jobs this process
 class StageJobError(RuntimeError):
     """A stage job that failed, with the tail of its log. `retryable` is False for bad input."""
 
-    def __init__(self, message: str, retryable: bool, job_id: str):
+    def __init__(self, message: str, retryable: bool, job_id: str, log: str = ""):
         super().__init__(message)
-        self.retryable, self.job_id = retryable, job_id
+        self.retryable, self.job_id, self.log = retryable, job_id, log
+
+    def __reduce__(self):  # survives pickling (a result store) with its kind
+        return type(self), (str(self), self.retryable, self.job_id, self.log)
 
 
 @dataclass
@@ -36,6 +39,13 @@ class JobOutcome:
     log: str
     started_at: float | None = None  # Ray's own record of the job's start and end (epoch seconds)
     ended_at: float | None = None
+
+
+def is_local_address(address: str) -> bool:
+    """A Jobs API on this machine (its jobs run here, with this machine's files)."""
+    from urllib.parse import urlparse
+
+    return (urlparse(address).hostname or "") in ("127.0.0.1", "localhost", "::1")
 
 
 def client(address: str):
@@ -58,9 +68,10 @@ def run_job(
     timeout_s: float,
     on_log: Callable[[str], None],
     on_submit: Callable[[str], None] = lambda job_id: None,
+    on_poll: Callable[[], None] = lambda: None,
     poll_s: float = 1.0,
 ) -> JobOutcome:
-    """Submit, stream new log lines to `on_log`, and wait. The job is stopped if this call
+    """Submit, stream new log lines to `on_log`, call `on_poll` each poll, and wait. The job is stopped if this call
     ends any other way than by the job finishing (timeout, exception, cancellation)."""
     from ray.job_submission import JobStatus
 
@@ -73,6 +84,7 @@ def run_job(
                         metadata={"alignflow.stage": name})
         on_submit(job_id)
         while True:
+            on_poll()
             status, log = _poll(jobs, job_id)
             for line in tail.new_lines(log):
                 on_log(line)
@@ -122,12 +134,17 @@ def _poll(jobs, job_id: str, attempts: int = 5):
 
 
 def failure(job_id: str, status: str, message: str, log: str) -> StageJobError:
+    """The job's failure in a paragraph: its kind, and the stage's own `error:` lines (bad input says
+    what and where) or, for a crash, the last lines of its log. The whole log rides along (`.log`)."""
     match = re.search(r"exit code (\d+)", message)
     code = int(match.group(1)) if match else None
-    tail = "\n".join(log.splitlines()[-40:])
     retryable = code != BAD_INPUT
     kind = "bad input (not retried)" if not retryable else status.lower()
-    return StageJobError(f"stage job {job_id} failed: {kind}: {message.splitlines()[0] if message else ''}\n{tail}", retryable, job_id)
+    lines = log.splitlines()
+    errors = [line for line in lines if line.startswith("error:")]
+    detail = "\n".join(errors[-5:] if errors else lines[-15:])
+    return StageJobError(f"stage job {job_id} failed: {kind}: {message.splitlines()[0] if message else ''}\n{detail}",
+                         retryable, job_id, log)
 
 
 def stop_active() -> None:

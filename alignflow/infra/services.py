@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from alignflow.infra.ports import free_port, free_ports
+from alignflow.infra.secrets import without_secrets
 
 BIN = Path(sys.executable).parent  # the same venv's ray / prefect / mlflow
 
@@ -91,13 +92,16 @@ def stop_process_tree(pid: int | None, home: str, timeout: float) -> None:
             pass
 
 
-def _launch(name: str, cmd: list[str], home: Path, env: dict[str, str], url: str, health: list[str], timeout: float) -> Service:
+def _launch(name: str, cmd: list[str], home: Path, env: dict[str, str], url: str, health: list[str], timeout: float,
+            credentials: bool = True) -> Service:
     """Start `cmd` in its own session, logging to `home`, and wait until every health path answers;
-    a service that does not come up is stopped again before the error is raised."""
+    a service that does not come up is stopped again before the error is raised. `credentials=False`:
+    the process gets none of the caller's (see infra/secrets.py)."""
     log = home / f"{name}.log"
+    base = dict(os.environ) if credentials else without_secrets(dict(os.environ))
     with open(log, "ab") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True, env={**os.environ, **env})
+                                start_new_session=True, env={**base, **env})
     import psutil
 
     service = Service(name, proc.pid, url, str(home), str(log), psutil.Process(proc.pid).create_time())
@@ -158,7 +162,10 @@ def start_ray_head(num_cpus: int | None = None, base: str | None = None, timeout
            # writes one), and then our Jobs API client and health checks would be refused. The mode is set
            # explicitly instead; set RAY_AUTH_MODE=token (with RAY_AUTH_TOKEN) to run the head with auth.
            "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled")}
-    return _launch("ray", cmd, home, env, f"http://127.0.0.1:{dashboard}", ["/api/version", "/api/jobs/"], timeout)
+    # No credentials on the head: its jobs get them from each run (infra/secrets.py), so a head started once
+    # (`alignflow services up`) holds none, and none can leak into its logs.
+    return _launch("ray", cmd, home, env, f"http://127.0.0.1:{dashboard}", ["/api/version", "/api/jobs/"], timeout,
+                   credentials=False)
 
 
 def start_mlflow_server(artifacts: str, base: str | None = None, timeout: float = 120) -> Service:

@@ -8,6 +8,7 @@ environment and never pass through here.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from dataclasses import dataclass
@@ -20,6 +21,15 @@ RUN_ID_ENV = "ALIGNFLOW_MLFLOW_RUN_ID"
 PARAM_LIMIT = 6000
 STAGE_URI_TAG = "alignflow.stage_uri"  # the published stage folder a registered version came from
 LINEAGE_TAG = "alignflow.lineage_digest"
+HOLDER_TAG = "alignflow.process"  # host:pid:create time:run of the flow process that opened a parent run
+
+
+def this_process() -> str:
+    import socket
+
+    import psutil
+
+    return f"{socket.gethostname()}:{os.getpid()}:{psutil.Process().create_time()}:run"
 
 
 @dataclass(frozen=True)
@@ -27,6 +37,7 @@ class TrackingSettings:
     uri: str | None  # unset: MLFLOW_TRACKING_URI, else a sqlite store beside local storage (or in ~/.alignflow)
     experiment: str
     storage_root: str
+    artifact_location: str | None = None  # of a new experiment; unset: beside the storage root (server: its own)
 
 
 def tracking_uri(settings: TrackingSettings) -> str:
@@ -38,6 +49,27 @@ def tracking_uri(settings: TrackingSettings) -> str:
     folder = storage.local_path(root) if storage.is_local(root) else Path.home() / ".alignflow"
     folder.mkdir(parents=True, exist_ok=True)
     return f"sqlite:///{folder.resolve()}/mlflow.db"
+
+
+@contextlib.contextmanager
+def _first_setup_lock(uri: str):
+    """An exclusive lock beside a sqlite store while MLflow creates or upgrades it and the experiment is made."""
+    if not uri.startswith("sqlite:///"):
+        yield
+        return
+    import fcntl
+
+    lock = Path(uri.removeprefix("sqlite:///") + ".lock")
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            from mlflow import MlflowClient
+
+            MlflowClient(uri).search_experiments(max_results=1)  # creates the schema, under the lock
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def flatten(data: Any, prefix: str = "") -> dict[str, str]:
@@ -53,19 +85,33 @@ class Tracker:
     def __init__(self, settings: TrackingSettings):
         from mlflow import MlflowClient
 
+        storage.export_s3_endpoint()  # MLflow's own S3 client reads its endpoint from MLFLOW_S3_ENDPOINT_URL
+
         self.settings = settings
         self.uri = tracking_uri(settings)
-        self.client = MlflowClient(self.uri)
-        self.experiment_id = self._experiment(settings.experiment)
+        with _first_setup_lock(self.uri):  # two runs on a fresh sqlite store would both migrate it
+            self.client = MlflowClient(self.uri)
+            self.experiment_id = self._experiment(settings.experiment)
 
     def _experiment(self, name: str) -> str:
         found = self.client.get_experiment_by_name(name)
         if found is not None:
             return found.experiment_id
-        artifacts = None
-        if self.uri.startswith("sqlite:") and storage.is_local(self.settings.storage_root):
-            artifacts = (storage.local_path(self.settings.storage_root) / "mlflow-artifacts").resolve().as_uri()
-        return self.client.create_experiment(name, artifact_location=artifacts)
+        # Never MLflow's default (./mlruns under whatever the current directory is): the user's location,
+        # else beside the stage outputs; a tracking server that proxies artifacts keeps its own root.
+        artifacts, root = self.settings.artifact_location, self.settings.storage_root
+        if artifacts is None and not self.uri.startswith(("http://", "https://", "databricks")):
+            artifacts = ((storage.local_path(root) / "mlflow-artifacts").resolve().as_uri() if storage.is_local(root)
+                         else storage.join(root, "mlflow-artifacts"))
+        from mlflow.exceptions import MlflowException
+
+        try:
+            return self.client.create_experiment(name, artifact_location=artifacts)
+        except MlflowException:  # another run created it in between
+            found = self.client.get_experiment_by_name(name)
+            if found is None:
+                raise
+            return found.experiment_id
 
     def run_url(self, run_id: str) -> str:
         if self.uri.startswith("http"):
@@ -73,6 +119,7 @@ class Tracker:
         return f"{self.uri} (experiment {self.experiment_id}, run {run_id}); view with `mlflow ui --backend-store-uri {self.uri}`"
 
     def start_parent(self, run_name: str, tags: dict[str, str], params: dict) -> str:
+        tags = {**tags, HOLDER_TAG: this_process()}
         run = self.client.create_run(self.experiment_id, run_name=run_name, tags=tags)
         self.log_params(run.info.run_id, params)
         return run.info.run_id
@@ -113,6 +160,24 @@ class Tracker:
         self.log_metrics(run_id, meta.get("metrics") or {})
         self.client.set_terminated(run_id, "FINISHED")
         return run_id
+
+    def fail_stale_runs(self, name: str) -> list[str]:
+        """Mark FAILED, saying why, the RUNNING runs of pipeline `name` (and their stage runs) whose flow process
+        on this host is gone (it was killed with SIGKILL, or the machine rebooted)."""
+        from alignflow.infra.lease import holder_gone
+
+        failed = []
+        for parent in self.client.search_runs([self.experiment_id], f"tags.`alignflow.name` = '{name}' and attributes.status = 'RUNNING'"):
+            holder = parent.data.tags.get(HOLDER_TAG, "")
+            if not holder_gone(holder):
+                continue
+            children = self.client.search_runs([self.experiment_id], f"tags.`mlflow.parentRunId` = '{parent.info.run_id}' "
+                                                                     "and attributes.status = 'RUNNING'")
+            for run in [parent, *children]:
+                self.client.set_tag(run.info.run_id, "alignflow.failure", f"the flow process that ran it ({holder}) is gone")
+                self.client.set_terminated(run.info.run_id, "FAILED")
+                failed.append(run.info.run_id)
+        return failed
 
     def set_tag(self, run_id: str, key: str, value: str) -> None:
         self.client.set_tag(run_id, key, value)

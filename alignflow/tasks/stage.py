@@ -18,12 +18,13 @@ from prefect import get_run_logger, task
 from pydantic import BaseModel
 
 from alignflow.config import PipelineConfig, dump_config
-from alignflow.infra import manifest, ray_jobs, storage
+from alignflow.infra import lease, manifest, ray_jobs, secrets, storage
 from alignflow.infra.tracking import RUN_ID_ENV, Tracker, TrackingSettings
 from alignflow.lineage import stage_cache_key, stage_output_uri
 
-# Environment a stage job needs from the caller: credentials, endpoints, caches, test hooks.
-PASSTHROUGH_PREFIXES = ("AWS_", "ALIGNFLOW_", "MLFLOW_S3_", "HF_")
+# Environment a stage job needs from the caller: credentials (sent apart, see infra/secrets.py), endpoints,
+# caches, test hooks.
+PASSTHROUGH_PREFIXES = ("AWS_", "ALIGNFLOW_", "MLFLOW_S3_", "MLFLOW_TRACKING_", "HF_")
 
 
 class StageResult(BaseModel):
@@ -52,7 +53,8 @@ class RunContext(BaseModel):
 
 
 def tracking_settings(config: PipelineConfig) -> TrackingSettings:
-    return TrackingSettings(uri=config.tracking.uri, experiment=config.tracking.experiment, storage_root=config.storage.root)
+    return TrackingSettings(uri=config.tracking.uri, experiment=config.tracking.experiment, storage_root=config.storage.root,
+                            artifact_location=config.tracking.artifact_location)
 
 
 def stage_key(config: PipelineConfig, stage: str, upstream: dict[str, StageResult]) -> str:
@@ -67,7 +69,7 @@ def prefect_cache_key(context: Any, params: dict[str, Any]) -> str | None:
     another tracking server could answer."""
     config, stage, key = params["config"], params["stage"], params["key"]
     uri = stage_output_uri(config, stage, key)
-    published = manifest.verify(uri, check_hashes=False)  # sizes only: cheap, and catches a damaged folder
+    published = manifest.verify(uri)  # every file's sha256 (cheap when unchanged since it last verified)
     if published is None:
         return None
     identity = f"{uri}|{published.digest}|{published.meta.get('mlflow_run_id')}|{stage}"
@@ -79,6 +81,8 @@ def retry_unless_bad_input(task, task_run, state) -> bool:
         state.result()
     except ray_jobs.StageJobError as exc:
         return exc.retryable
+    except lease.LeaseHeld:  # asked to fail at once rather than wait for the other run
+        return False
     except Exception:
         return True
     return False
@@ -106,45 +110,73 @@ def run_stage(config: PipelineConfig, stage: str, key: str, upstream: dict[str, 
     start = time.time()
     uri = stage_output_uri(config, stage, key)
     tracker = Tracker(tracking_settings(config))
-    done = manifest.verify(uri)
+    done, problem = manifest.check(uri)
+    if problem:
+        log.warning("%s: the published result does not verify: %s; running the stage again (it resumes from its last "
+                    "checkpoint)", stage, problem)
     if done is not None:
         log.info("%s: cache hit at %s (no Ray job)", stage, uri)
         run_id = tracker.record_cache_hit(ctx.parent_run_id, stage, key, ctx.flow_run_id, {**done.meta, "uri": uri},
                                           stage_params(config, stage), child_tags(config, stage))
         return result_from_manifest(config, stage, uri, key, done, time.time() - start, cached=True, run_id=run_id)
 
-    run_id = tracker.start_child(ctx.parent_run_id, stage, key, ctx.flow_run_id, stage_params(config, stage), child_tags(config, stage))
+    held = lease.acquire(uri, config.ray.lease_timeout_s, config.ray.wait_for_running_stage,
+                         on_wait=lambda holder: log.info("%s: another run is writing %s (%s); waiting for it", stage, uri, holder))
     try:
-        outcome, published = _run_job(config, stage, key, uri, upstream, run_id, tracker, ctx)
-    except BaseException:
-        tracker.finish(run_id, ok=False)  # no child run is left RUNNING, whatever failed
-        raise
-    tracker.finish(run_id, ok=True)
+        done = manifest.verify(uri)
+        if done is not None:  # the run we waited for published it
+            log.info("%s: published by the run it waited for, at %s (no Ray job)", stage, uri)
+            run_id = tracker.record_cache_hit(ctx.parent_run_id, stage, key, ctx.flow_run_id, {**done.meta, "uri": uri},
+                                              stage_params(config, stage), child_tags(config, stage))
+            return result_from_manifest(config, stage, uri, key, done, time.time() - start, cached=True, run_id=run_id)
+        run_id = tracker.start_child(ctx.parent_run_id, stage, key, ctx.flow_run_id, stage_params(config, stage), child_tags(config, stage))
+        try:
+            outcome, published = _run_job(config, stage, key, uri, upstream, run_id, tracker, ctx, held)
+        except BaseException:
+            tracker.finish(run_id, ok=False)  # no child run is left RUNNING, whatever failed
+            raise
+        tracker.finish(run_id, ok=True)
+    finally:
+        held.release()
     result = result_from_manifest(config, stage, uri, key, published, time.time() - start, cached=False, run_id=run_id)
     return result.model_copy(update={"job_seconds": outcome.seconds, "ray_job_id": outcome.job_id,
                                      "job_started_at": outcome.started_at, "job_ended_at": outcome.ended_at})
 
 
 def _run_job(config: PipelineConfig, stage: str, key: str, uri: str, upstream: dict[str, StageResult], run_id: str,
-             tracker: Tracker, ctx: RunContext) -> tuple[ray_jobs.JobOutcome, manifest.Manifest]:
+             tracker: Tracker, ctx: RunContext, held: lease.Lease) -> tuple[ray_jobs.JobOutcome, manifest.Manifest]:
     log = get_run_logger()
     config_uri = storage.join(uri, "job", "config.yaml")
     storage.write_text(config_uri, dump_config(config))
     env = {k: v for k, v in os.environ.items() if k.startswith(PASSTHROUGH_PREFIXES)}
-    env.update({"MLFLOW_TRACKING_URI": tracker.uri, RUN_ID_ENV: run_id})
+    env.update({"MLFLOW_TRACKING_URI": tracker.uri, RUN_ID_ENV: run_id, lease.LEASE_ENV: held.env()})
     if ctx.threads and not config.kind(stage).own_workers:
         env["ALIGNFLOW_NUM_THREADS"] = str(ctx.threads)
     entry = ray_jobs.stage_entrypoint(stage=stage, config_uri=config_uri, output_uri=uri, cache_key=key,
                                       inputs={role: r.uri for role, r in upstream.items()})
     log.info("%s: submitting Ray job to %s: %s", stage, ctx.ray_address, entry)
-    outcome = ray_jobs.run_job(
-        ctx.ray_address, entry, env, stage, config.ray.job_timeout_s, on_log=lambda line: log.info("%s: %s", stage, line),
-        on_submit=lambda job_id: tracker.set_tag(run_id, "ray.job_id", job_id),
-    )
+    with secrets.job_env(env, local=ray_jobs.is_local_address(ctx.ray_address)) as job_env:
+        try:
+            outcome = ray_jobs.run_job(
+                ctx.ray_address, entry, job_env, stage, config.ray.job_timeout_s, on_log=lambda line: log.info("%s: %s", stage, line),
+                on_submit=lambda job_id: tracker.set_tag(run_id, "ray.job_id", job_id), on_poll=held.renew,
+            )
+        except ray_jobs.StageJobError as exc:
+            raise _with_saved_log(exc, storage.join(uri, "job", f"{exc.job_id}.log")) from None
     published = manifest.verify(uri)
     if published is None:
         raise RuntimeError(f"{stage}: job {outcome.job_id} succeeded but {uri} has no verified manifest")
     return outcome, published
+
+
+def _with_saved_log(exc: ray_jobs.StageJobError, log_uri: str) -> ray_jobs.StageJobError:
+    """The failure, pointing at its whole log, kept beside the stage's output (a private Ray head, and its
+    logs, are gone when the run ends)."""
+    try:
+        storage.write_text(log_uri, exc.log)
+    except Exception as write_error:  # the failure matters more than its log
+        return ray_jobs.StageJobError(f"{exc}\n(the full log could not be saved to {log_uri}: {write_error})", exc.retryable, exc.job_id)
+    return ray_jobs.StageJobError(f"{exc}\nfull log: {log_uri}", exc.retryable, exc.job_id)
 
 
 def result_from_manifest(config: PipelineConfig, stage: str, uri: str, key: str, published: manifest.Manifest,

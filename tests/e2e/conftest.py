@@ -29,7 +29,8 @@ def services(s3_server, tmp_path_factory):
         env = {"ALIGNFLOW_RAY_ADDRESS": ray.url, "MLFLOW_TRACKING_URI": mlflow.url, "PREFECT_API_URL": prefect.url,
                "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "ALIGNFLOW_HOME": base,
                "PREFECT_LOCAL_STORAGE_PATH": f"{base}/prefect-results"}
-        yield {"ray": ray.url, "mlflow": mlflow.url, "prefect": prefect.url, "env": env, "base": base}
+        yield {"ray": ray.url, "mlflow": mlflow.url, "prefect": prefect.url, "env": env, "base": base,
+               "homes": {s.name: s.home for s in started}}
     finally:
         for service in reversed(started):
             service.stop()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import signal
+import tempfile
 import time
 
 import pytest
@@ -24,7 +25,8 @@ def test_run_then_rerun_is_fully_cached(services, tmp_path):
 
     root = "s3://alignflow-test/e2e-run"
     jobs_before = ray_jobs(services)
-    first = alignflow(services, *run_args(root, "--set", "name=e2e-run"), "--summary-json", str(tmp_path / "1.json"))
+    first = alignflow(services, *run_args(root, "--set", "name=e2e-run"), "--summary-json", str(tmp_path / "1.json"),
+                      env={"HF_TOKEN": HF_CANARY})
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     summary = json.loads((tmp_path / "1.json").read_text())
     (sft,) = summary["stages"]
@@ -42,6 +44,7 @@ def test_run_then_rerun_is_fully_cached(services, tmp_path):
     assert {"config.yaml", "MANIFEST.json", "MODEL_CARD.md", "curves.png", "metrics.json"} <= artifacts
     everything = json.dumps([parent.data.params, parent.data.tags, child.data.params, child.data.tags])
     assert SECRET not in everything and SECRET not in first.stdout + first.stderr
+    assert_no_credentials_leaked(services, [root, "s3://alignflow-test/mlflow"], first.stdout + first.stderr)
 
     version = client.get_model_version_by_alias("e2e-run", "candidate")
     assert version.source == storage.join(sft["uri"], "model") and version.tags["alignflow.cache_key"] == sft["cache_key"]
@@ -77,6 +80,49 @@ def test_run_then_rerun_is_fully_cached(services, tmp_path):
     assert stage3["cached"] and ray_jobs(services) == jobs_mid
     assert client.get_run(stage3["mlflow_run_id"]).data.tags["alignflow.source_run_id"] == child.info.run_id
 
+    # A same-size change to the published weights: no cache answers for it; the stage runs again from its last
+    # checkpoint and publishes the very weights the first run did.
+    def weights_sha() -> str:
+        return json.loads(storage.read_text(storage.join(sft["uri"], "MANIFEST.json")))["files"]["model/model.safetensors"]["sha256"]
+
+    published = weights_sha()
+    fs, weights = storage.filesystem(storage.join(sft["uri"], "model", "model.safetensors"))
+    blob = bytearray(fs.cat_file(weights))
+    blob[-64:-48] = bytes(255 - b for b in blob[-64:-48])
+    fs.pipe_file(weights, bytes(blob))
+    fourth = alignflow(services, *run_args(root, "--set", "name=e2e-run"), "--summary-json", str(tmp_path / "4.json"))
+    assert fourth.returncode == 0, fourth.stdout[-3000:]
+    (stage4,) = json.loads((tmp_path / "4.json").read_text())["stages"]
+    assert not stage4["cached"] and "model/model.safetensors does not match its sha256" in fourth.stdout + fourth.stderr
+    assert json.loads(storage.read_text(storage.join(sft["uri"], "metrics.json")))["resumed_from_step"] == 20
+    assert weights_sha() == published and storage.sha256_of(storage.join(sft["uri"], "model", "model.safetensors")) == published
+
+
+HF_CANARY = "hf_af-e2e-canary-41c0de"
+
+
+def assert_no_credentials_leaked(services, roots: list[str], console: str) -> None:
+    """The run's S3 secret and HF token (the job needed the first to publish) are nowhere: not in the
+    Jobs API, Ray's session logs, the Prefect or MLflow databases and logs, storage or the console."""
+    import urllib.request
+    from pathlib import Path
+
+    canaries = [SECRET.encode(), HF_CANARY.encode()]
+    with urllib.request.urlopen(services["ray"] + "/api/jobs/") as response:
+        places = {"Jobs API": response.read(), "console": console.encode()}
+    for name, home in services["homes"].items():
+        for path in Path(home).rglob("*"):
+            if path.is_file() and not path.is_symlink() and path.stat().st_size < 200 << 20:
+                places[f"{name}: {path}"] = path.read_bytes()
+    for root in roots:
+        for rel in storage.walk_files(root):
+            fs, path = storage.filesystem(storage.join(root, rel))
+            places[storage.join(root, rel)] = fs.cat_file(path)
+    leaks = [where for where, blob in places.items() if any(c in blob for c in canaries)]
+    assert not leaks, f"credentials found in: {leaks[:10]}"
+    assert len(places) > 50  # the scan saw the logs, databases and objects
+    assert not list(Path(tempfile.gettempdir()).glob("alignflow-secrets-*"))  # the job's credentials file is gone
+
 
 def _wait_for_checkpoint(root_prefix: str, timeout: float = 300) -> str:
     deadline = time.time() + timeout
@@ -100,10 +146,15 @@ def _running_job(services, before: dict[str, str], timeout: float = 60) -> str:
     raise AssertionError("no running stage job")
 
 
-@pytest.mark.parametrize("kill", ["ray_job", "flow_process"])
+@pytest.mark.parametrize("kill", ["ray_job", "flow_sigkill"])
 def test_killed_stage_resumes_from_its_checkpoint(services, tmp_path, kill):
+    """Kill the stage's Ray job, or the flow's process with SIGKILL (it can do nothing then: the job sees its
+    lease go unrenewed and stops itself). The re-run resumes from the checkpoint as the one writer."""
+    from mlflow import MlflowClient
+
     root = f"s3://alignflow-test/e2e-kill-{kill}"
-    args = run_args(root, "--set", "sft.batch.max_steps=200", "--set", "ray.retries=0", "--set", f"name=kill-{kill}")
+    args = run_args(root, "--set", "sft.batch.max_steps=200", "--set", "ray.retries=0", "--set", f"name=kill-{kill}",
+                    "--set", "ray.lease_timeout_s=10")
     before = ray_jobs(services)
     proc = alignflow(services, *args, wait=False)
     job = _running_job(services, before)
@@ -113,7 +164,7 @@ def test_killed_stage_resumes_from_its_checkpoint(services, tmp_path, kill):
 
         JobSubmissionClient(services["ray"]).stop_job(job)
     else:
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(signal.SIGKILL)
     out, _ = proc.communicate(timeout=180)
     assert proc.returncode != 0, out[-2000:]
     deadline = time.time() + 60
@@ -127,23 +178,88 @@ def test_killed_stage_resumes_from_its_checkpoint(services, tmp_path, kill):
     (sft,) = json.loads((tmp_path / "s.json").read_text())["stages"]
     metrics = json.loads(storage.read_text(storage.join(sft["uri"], "metrics.json")))
     assert sft["cache_key"] == key and metrics["resumed_from_step"] >= 10
+    assert not storage.exists(f"{root}/sft/{key}/job/LEASE.json")  # released
+    if kill == "flow_sigkill":
+        from ray.job_submission import JobSubmissionClient
+
+        assert "stopping this stage job: the run that started this job stopped renewing" in JobSubmissionClient(services["ray"]).get_job_logs(job)
+        client = MlflowClient(services["mlflow"])
+        runs = client.search_runs([client.get_experiment_by_name("alignflow").experiment_id], "tags.`alignflow.name` = 'kill-flow_sigkill'")
+        killed = [r for r in runs if r.info.status == "FAILED"]
+        assert len(killed) == 1 and "is gone" in killed[0].data.tags["alignflow.failure"]  # not left RUNNING
     print(f"killed ({kill}) and resumed from step {metrics['resumed_from_step']}")
+
+
+def test_sigkilled_run_leaves_no_process_of_its_private_ray_head(services, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    import psutil
+
+    from .conftest import ROOT
+
+    env = {k: v for k, v in {**os.environ, **services["env"]}.items() if k != "ALIGNFLOW_RAY_ADDRESS"}
+    proc = subprocess.Popen([sys.executable, "-m", "alignflow.cli", *run_args(str(tmp_path / "out"), "--set", "sft.batch.max_steps=200")],
+                            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    def cmdline(p: psutil.Process) -> str:
+        try:
+            return " ".join(p.cmdline())
+        except psutil.Error:
+            return ""
+
+    deadline, ours = time.time() + 180, []
+    while time.time() < deadline and not any("raylet" in cmdline(p) for p in ours):
+        time.sleep(1)
+        ours = psutil.Process(proc.pid).children(recursive=True)
+    time.sleep(3)
+    ours = psutil.Process(proc.pid).children(recursive=True)
+    assert len(ours) > 5, [p.cmdline()[:2] for p in ours]  # the head's processes
+    proc.kill()
+    proc.wait()
+    _, alive = psutil.wait_procs(ours, timeout=60)
+    assert not alive, [p.cmdline()[:3] for p in alive]
+
+
+def test_two_runs_of_one_stage_make_one_writer(services, tmp_path):
+    """At once, on a fresh sqlite store and storage root: one trains, the other waits for it and takes its
+    result; the store's first-time setup is not raced."""
+    db = f"sqlite:///{tmp_path}/mlflow.db"
+    args = run_args(f"s3://alignflow-test/e2e-twice-{tmp_path.name}", "--set", "sft.batch.max_steps=10", "--set", "name=twice")
+    before = ray_jobs(services)
+    procs = [alignflow(services, *args, "--summary-json", str(tmp_path / f"{i}.json"), env={"MLFLOW_TRACKING_URI": db}, wait=False)
+             for i in range(2)]
+    outs = [p.communicate(timeout=600)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [o[-2000:] for o in outs]
+    stages = [json.loads((tmp_path / f"{i}.json").read_text())["stages"][0] for i in range(2)]
+    assert sorted(s["cached"] for s in stages) == [False, True] and stages[0]["digest"] == stages[1]["digest"]
+    assert len(set(ray_jobs(services)) - set(before)) == 1
+    assert any("another run is writing" in o for o in outs)
 
 
 def test_bad_input_fails_before_any_job_and_is_not_retried(services, tmp_path):
     before = ray_jobs(services)
     bad_config = alignflow(services, "run", "configs/tiny.yaml", "--set", "sft.optim.lr=-1")
     assert bad_config.returncode == 2 and "sft.optim.lr: Input should be greater than 0" in bad_config.stderr
+    reward = tmp_path / "reward.py"
+    reward.write_text("def score(completions, **kw):\n    return [1.0 for c in completions\n")
+    for override, message in [("sft.model.name_or_path=builtin:nope", "unknown built-in model 'builtin:nope'"),
+                              ("sft.model.name_or_path=./no/such/model", "local model folder './no/such/model' does not exist"),
+                              (f"rl.reward.function={reward}:score", f"{reward}:2: '[' was never closed")]:
+        bad = alignflow(services, "run", "configs/tiny-grpo.yaml", "--set", override)
+        assert bad.returncode == 2 and message in bad.stderr and len(bad.stderr.splitlines()) < 10, bad.stderr
     assert ray_jobs(services) == before
 
     data = tmp_path / "bad.jsonl"
     data.write_text('{"prompt": "1+1", "response": "2"}\n' * 40 + '{"prompt": "2+2"}\n')
     bad_data = alignflow(services, *run_args("s3://alignflow-test/e2e-bad", "--set", f"sft.data.path={data}",
                                              "--set", "ray.retries=2", "--set", "ray.retry_delay_s=0"))
-    assert bad_data.returncode != 0
-    new = set(ray_jobs(services)) - set(before)
-    assert len(new) == 1  # one job, no retry
-    assert f"{data}:41: missing key 'response'" in bad_data.stdout + bad_data.stderr
+    assert bad_data.returncode == 2  # the run's own exit code says: bad input
+    (job,) = set(ray_jobs(services)) - set(before)  # one job, no retry
+    error = bad_data.stderr[bad_data.stderr.index("error: stages failed on bad input: sft"):]
+    assert f"error: {data}:41: missing key 'response'" in error and len(error.splitlines()) < 8, error
+    saved = error.split("full log: ")[1].split()[0]
+    assert saved.endswith(f"/job/{job}.log") and f"{data}:41: missing key 'response'" in storage.read_text(saved)
 
 
 def test_registration_works_with_every_tracking_and_storage_pair(services, tmp_path):
@@ -166,3 +282,8 @@ def test_registration_works_with_every_tracking_and_storage_pair(services, tmp_p
     summary = json.loads((tmp_path / "s.json").read_text())
     assert summary["mlflow"]["tracking_uri"] == db
     assert MlflowClient(db).get_model_version_by_alias("e2e-sqlite", "candidate").source.startswith("s3://alignflow-test/e2e-run/sft/")
+    # Artifacts go beside the S3 storage, not to ./mlruns under the current directory.
+    (experiment,) = MlflowClient(db).search_experiments(filter_string="name = 'alignflow'")
+    assert experiment.artifact_location == "s3://alignflow-test/e2e-run/mlflow-artifacts"
+    runs = MlflowClient(db).search_runs([experiment.experiment_id])
+    assert runs and all(r.info.artifact_uri.startswith("s3://alignflow-test/e2e-run/mlflow-artifacts/") for r in runs)

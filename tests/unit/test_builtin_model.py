@@ -1,6 +1,8 @@
 import hashlib
 from pathlib import Path
 
+import pytest
+
 from alignflow.stages.common.builtin_model import BUILTINS, build_builtin, resolve_builtin
 
 
@@ -24,3 +26,17 @@ def test_unknown_builtin_names_the_choices():
 
     with pytest.raises(ValueError, match="builtin:tiny, builtin:small"):
         resolve_builtin("builtin:huge")
+
+
+def test_a_hub_model_offline_and_not_cached_is_bad_input(tmp_path, monkeypatch):
+    from alignflow.config import ConfigError
+    from alignflow.stages.common.models import resolve_model_path
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    with pytest.raises(ConfigError, match="model 'org/not-downloaded' is neither a local folder nor in the Hugging Face cache"):
+        resolve_model_path("org/not-downloaded")
+    assert resolve_model_path(str(tmp_path)) == str(tmp_path)  # a folder is taken as it is

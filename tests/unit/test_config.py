@@ -140,3 +140,21 @@ def test_later_stages_start_from_upstream_and_reject_contradictions(tmp_path):
     with pytest.raises(ConfigError, match="global_batch_size must be >= 2"):
         load_config(write(tmp_path, BASE), ["kto.from=sft", f"kto.data.path={kto}", "kto.batch.global_batch_size=1",
                                             "kto.batch.micro_batch_size=1"])
+
+
+def test_model_typos_fail_at_load_naming_the_model(tmp_path):
+    with pytest.raises(ConfigError, match=r"sft.model.name_or_path.*unknown built-in model 'builtin:tiniest'; choose one of builtin:tiny"):
+        load_config(write(tmp_path, BASE), ["sft.model.name_or_path=builtin:tiniest"])
+    with pytest.raises(ConfigError, match=r"local model folder '/no/such/model' does not exist"):
+        load_config(write(tmp_path, BASE), ["sft.model.name_or_path=/no/such/model"])
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match=r"has no config.json \(not a Hugging Face model folder\)"):
+        load_config(write(tmp_path, BASE), [f"sft.model.name_or_path={tmp_path / 'empty'}"])
+    assert load_config(write(tmp_path, BASE), ["sft.model.name_or_path=org/some-hub-model"])  # checked where it loads
+
+
+def test_reward_file_with_a_syntax_error_fails_at_load_with_its_line(tmp_path):
+    bad = tmp_path / "r.py"
+    bad.write_text("def score(completions, **kw):\n    return [1.0 for c in completions\n")
+    with pytest.raises(ConfigError, match=rf"rl.reward.function.*{bad}:2: '\[' was never closed"):
+        load_config("configs/tiny.yaml", ["rl.from=sft", f"rl.reward.function={bad}:score"])

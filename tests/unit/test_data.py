@@ -163,6 +163,17 @@ def test_rank_micro_batches_partition_the_global_batch():
     assert flat == indices
 
 
+def test_non_utf8_data_is_a_bad_row_naming_file_and_line(tmp_path, tokenizer):
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes(b'{"prompt": "a", "response": "b"}\n{"prompt": "caf\xe9", "response": "b"}\n')
+    with pytest.raises(DataError, match=rf"{path}:2: not UTF-8 text \(byte 0xe9 at column 16\)"):
+        load_sft_samples(cfg(str(path)), tokenizer, seed=0)
+    whole = tmp_path / "latin1.json"
+    whole.write_bytes(b'[{"prompt": "caf\xe9"}]')
+    with pytest.raises(DataError, match=rf"{whole}: not UTF-8 text \(byte 0xe9 at offset 16\)"):
+        list(read_rows(str(whole)))
+
+
 def test_read_rows_reports_lines(tmp_path):
     path = jsonl(tmp_path, [{"a": 1}, "", {"b": 2}])
     assert [w for w, _ in read_rows(path)] == [f"{path}:1", f"{path}:3"]

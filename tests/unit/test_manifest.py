@@ -54,3 +54,38 @@ def test_fingerprint_follows_content_not_path(tmp_path):
     assert storage.fingerprint(str(a)) == storage.fingerprint(str(b))
     b.write_text("y\n")
     assert storage.fingerprint(str(a)) != storage.fingerprint(str(b))
+
+
+def test_full_check_hashes_once_until_a_file_changes_then_names_it(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("ALIGNFLOW_HOME", str(tmp_path / "home"))
+    root = make(tmp_path)
+    manifest.write_manifest(str(root), exclude=("checkpoints/",))
+    hashed = []
+    real = storage.sha256_of
+    monkeypatch.setattr(storage, "sha256_of", lambda uri: hashed.append(uri) or real(uri))
+    assert manifest.verify(str(root)) is not None and len(hashed) == 2
+    assert manifest.verify(str(root)) is not None and len(hashed) == 2  # recorded: nothing re-hashed
+    with open(root / "model" / "w.bin", "r+b") as f:  # a same-size flip of 16 bytes
+        f.seek(40)
+        f.write(b"\xff" * 16)
+    assert manifest.verify(str(root)) is None and len(hashed) == 3  # only the changed file is hashed again
+    assert "model/w.bin does not match its sha256" in caplog.text
+
+
+def test_prefect_cache_answers_only_for_a_model_whose_bytes_match(tmp_path, monkeypatch):
+    from alignflow.config import load_config
+    from alignflow.lineage import stage_output_uri
+    from alignflow.tasks.stage import prefect_cache_key
+
+    monkeypatch.setenv("ALIGNFLOW_HOME", str(tmp_path / "home"))
+    config = load_config("configs/tiny.yaml", [f"storage.root={tmp_path / 'out'}"])
+    out = tmp_path / "out" / "sft" / "k1"
+    (out / "model").mkdir(parents=True)
+    (out / "model" / "model.safetensors").write_bytes(bytes(range(256)) * 4)
+    manifest.write_manifest(str(out), mlflow_run_id="r")
+    assert stage_output_uri(config, "sft", "k1") == str(out)
+    params = {"config": config, "stage": "sft", "key": "k1"}
+    assert prefect_cache_key(None, params) is not None
+    with open(out / "model" / "model.safetensors", "r+b") as f:
+        f.write(b"\x00" * 16)
+    assert prefect_cache_key(None, params) is None

@@ -23,3 +23,15 @@ def test_free_ports_are_distinct():
 
     ports = free_ports(64)
     assert len(set(ports)) == 64
+
+
+def test_failure_is_one_paragraph_that_keeps_its_kind_through_pickling():
+    import pickle
+
+    log = "\n".join(f"step {i}" for i in range(500)) + "\nerror: data.jsonl:41: missing key 'response'\n"
+    bad = failure("j1", "FAILED", "Job entrypoint command failed with exit code 2", log)
+    assert str(bad).splitlines()[1:] == ["error: data.jsonl:41: missing key 'response'"] and bad.log == log
+    again = pickle.loads(pickle.dumps(bad))
+    assert not again.retryable and str(again) == str(bad) and again.job_id == "j1"
+    crash = failure("j2", "FAILED", "Job entrypoint command failed with exit code 1", log.replace("error:", "Traceback:"))
+    assert crash.retryable and len(str(crash).splitlines()) == 16

@@ -99,6 +99,8 @@ def test_reward_function_errors_name_the_sample(tmp_path):
         call(short, ["a", "b"])
     with pytest.raises(RewardError, match="has no function 'score'"):
         FunctionReward(reward_file(tmp_path, "x = 1\n"))
+    with pytest.raises(RewardError, match=r"importing .*reward\.py \(the file of function 'score'\) failed: ModuleNotFoundError"):
+        FunctionReward(reward_file(tmp_path, "import no_such_module_xyz\n"))
 
 
 def test_shipped_reward_and_overlong_penalty():

@@ -12,7 +12,9 @@ The data position is the step number: batches are a function of (seed, step)
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import os
 import random
 import shutil
 import tempfile
@@ -137,8 +139,44 @@ class Checkpointer:
         return client_state
 
 
-def staging_dir(key: str) -> Path:
-    """A node-local scratch folder shared by the ranks of one stage run."""
-    path = Path(tempfile.gettempdir()) / "alignflow-staging" / key
+def staging_dir(key: str, stage_uri: str) -> Path:
+    """A node-local scratch folder shared by the ranks of one stage run: one per published folder (so
+    two storage roots never share one), owned by the process that made it. Folders whose owner is gone
+    (a crashed run's) are swept first; the run removes its own when it has published (`remove_staging`)."""
+    base = Path(tempfile.gettempdir()) / "alignflow-staging"
+    _sweep(base)
+    path = base / f"{key}-{hashlib.sha256(stage_uri.encode()).hexdigest()[:8]}"
     path.mkdir(parents=True, exist_ok=True)
+    owner = path / OWNER_FILE
+    if _owner_gone(owner):
+        owner.write_text(_me())
     return path
+
+
+def remove_staging(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+
+
+OWNER_FILE = ".owner"
+
+
+def _me() -> str:
+    import psutil
+
+    return f"{os.getpid()} {psutil.Process().create_time()}"
+
+
+def _owner_gone(owner: Path) -> bool:
+    import psutil
+
+    try:
+        pid, started = owner.read_text().split()
+        return abs(psutil.Process(int(pid)).create_time() - float(started)) > 1.0  # a recycled pid is someone else
+    except (OSError, ValueError, psutil.NoSuchProcess):
+        return True
+
+
+def _sweep(base: Path) -> None:
+    for folder in base.glob("*") if base.is_dir() else []:
+        if (folder / OWNER_FILE).exists() and _owner_gone(folder / OWNER_FILE):
+            remove_staging(folder)

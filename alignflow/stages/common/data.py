@@ -94,15 +94,25 @@ class InvalidRow(str):
 
 def _read_json(source: str, suffix: str) -> Iterator[tuple[str, Any]]:
     fs, path = storage.filesystem(source)
-    with fs.open(path, "r") as f:
+    with fs.open(path, "rb") as f:
         if suffix == ".json":
-            rows = json.load(f)
+            try:
+                rows = json.loads(f.read().decode("utf-8"))
+            except UnicodeDecodeError as exc:
+                raise DataError(f"{source}: not UTF-8 text (byte {exc.object[exc.start]:#04x} at offset {exc.start})") from None
+            except json.JSONDecodeError as exc:
+                raise DataError(f"{source}:{exc.lineno}: not valid JSON ({exc.msg})") from None
             if not isinstance(rows, list):
                 raise DataError(f"{source}: a .json dataset must be a list of rows")
             for i, row in enumerate(rows):
                 yield f"{source}:row {i + 1}", row
             return
-        for lineno, line in enumerate(f, start=1):
+        for lineno, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                yield f"{source}:{lineno}", InvalidRow(f"not UTF-8 text (byte {raw[exc.start]:#04x} at column {exc.start + 1})")
+                continue
             if not line.strip():
                 continue
             try:

@@ -16,6 +16,8 @@ from typing import Any, Callable
 
 from alignflow.config import ConfigError, PipelineConfig, load_config
 from alignflow.exit_codes import BAD_INPUT
+from alignflow.infra.lease import LEASE_ENV, Watcher
+from alignflow.infra.secrets import load_job_secrets
 
 StageMain = Callable[..., dict[str, Any]]  # main(cfg, stage, output_uri, inputs, expected_key)
 
@@ -48,6 +50,9 @@ def run_stage_cli(argv: list[str] | None = None) -> int:
     parser.add_argument("--cache-key", default=None, help="the key the caller computed; the stage refuses to run under another")
     parser.add_argument("--summary-json", default=None, help="write the stage summary as JSON to this path")
     args = parser.parse_args(argv)
+    load_job_secrets()  # before the config is read: it may be on S3
+    if os.environ.get(LEASE_ENV):  # started by a flow run: stop when that run is gone
+        Watcher(os.environ[LEASE_ENV]).watch()
     try:
         cfg = load_config(args.config, args.overrides)
         summary = stage_main(cfg, args.stage)(cfg, args.stage, args.output, parse_inputs(args.inputs) or None, args.cache_key)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from alignflow.config.base import ModelConfig
+from alignflow.config.base import ConfigError, ModelConfig
 from alignflow.infra import storage
 from alignflow.stages.common.builtin_model import cache_root, is_builtin, resolve_builtin
 
@@ -19,7 +19,15 @@ REWARD_MEAN, REWARD_STD = "alignflow_reward_mean", "alignflow_reward_std"  # key
 
 
 def resolve_model_path(name_or_path: str) -> str:
-    return resolve_builtin(name_or_path) if is_builtin(name_or_path) else name_or_path
+    if is_builtin(name_or_path):
+        return resolve_builtin(name_or_path)
+    if not Path(name_or_path).is_dir() and os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes"):
+        from huggingface_hub import try_to_load_from_cache
+
+        if not isinstance(try_to_load_from_cache(name_or_path, "config.json"), str):
+            raise ConfigError(f"model {name_or_path!r} is neither a local folder nor in the Hugging Face cache, and "
+                              "HF_HUB_OFFLINE is set: download it first (`huggingface-cli download`) or give its folder")
+    return name_or_path
 
 
 def fetch_published_model(stage_uri: str, digest: str) -> str:

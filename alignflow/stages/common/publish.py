@@ -66,7 +66,7 @@ def finish_publish(stage_uri: str, local: Path, files: dict[str, str | bytes], m
         (local / name).write_bytes(content.encode() if isinstance(content, str) else content)
     if not storage.is_local(stage_uri):
         storage.upload_dir(local, stage_uri)
-    result = manifest.write_manifest(stage_uri, exclude=("checkpoints/",), **meta)
+    result = manifest.write_manifest(stage_uri, exclude=(*manifest.NOT_PUBLISHED,), **meta)
     if not storage.is_local(stage_uri):
         (local / manifest.STAGE_MANIFEST).write_text(storage.read_text(storage.join(stage_uri, manifest.STAGE_MANIFEST)))
     return result

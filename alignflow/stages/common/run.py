@@ -15,7 +15,7 @@ from typing import Any, Callable, Protocol
 from alignflow.config import ConfigError, PipelineConfig, dump_config
 from alignflow.infra import manifest, storage
 from alignflow.lineage import data_inputs, data_sources, input_digests, locate_inputs, stage_cache_key, stage_output_uri
-from alignflow.stages.common.checkpoint import Checkpointer, staging_dir
+from alignflow.stages.common.checkpoint import Checkpointer, remove_staging, staging_dir
 from alignflow.stages.common.data import DataError, steps_per_epoch
 from alignflow.stages.common.models import fetch_published_model, resolve_model_path
 from alignflow.stages.common.progress import MetricsLog, Timer
@@ -98,7 +98,7 @@ class TrainingRun:
         check_cache_key(stage, self.key, expected_key)
         self.out = output_uri or stage_output_uri(cfg, stage, self.key)
         self.done = manifest.verify(self.out)
-        self.staging = staging_dir(self.key)
+        self.staging = staging_dir(self.key, self.out)
         self.timings: dict[str, float] = {}
         self.start_step, self.total_steps = 0, 0
         self.resumed_state: dict[str, Any] = {}  # the client state of the checkpoint a run resumed from
@@ -210,5 +210,7 @@ class TrainingRun:
         if trainer.is_main:
             print(f"{name}: published model to {storage.join(self.out, 'model')}\n{name}: metrics in {storage.join(self.out, 'metrics.json')}", flush=True)
         trainer.close()
+        if trainer.is_main:
+            remove_staging(self.staging)
         return {"stage": name, "uri": self.out, "cache_key": self.key, "cached": False, "metrics": summary,
                 "resumed_from_step": self.start_step or None}

@@ -26,6 +26,9 @@ class StageTracking:
         if self.run_id:
             from mlflow import MlflowClient
 
+            from alignflow.infra.storage import export_s3_endpoint
+
+            export_s3_endpoint()  # artifacts of a sqlite store go to S3 storage through MLflow's own client
             self.client = MlflowClient()  # MLFLOW_TRACKING_URI comes from the job's environment
 
     def log_metrics(self, step: int, metrics: dict[str, float]) -> None:

@@ -16,6 +16,8 @@ import tempfile
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from alignflow.infra.secrets import load_job_secrets, without_secrets
+
 PLACEMENT_TIMEOUT_S = 120
 # Set on every worker: the CPUs of its bundle, read by the training seam (`strategy.py`). Defined
 # here, not there, so a worker group imports neither torch nor DeepSpeed until its workers need them.
@@ -40,7 +42,7 @@ def connect_ray(num_cpus: int | None = None) -> Callable[[], None]:
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
         temp = tempfile.mkdtemp(prefix="afray-", dir="/tmp")  # short: Ray's socket paths have a length limit
         ray.init(address="local", num_cpus=num_cpus or os.cpu_count(), include_dashboard=False, _temp_dir=temp,
-                 log_to_driver=True, runtime_env={"env_vars": {k: v for k, v in os.environ.items() if k.startswith(("ALIGNFLOW_", "AWS_", "HF_"))}})
+                 log_to_driver=True, runtime_env={"env_vars": without_secrets({k: v for k, v in os.environ.items() if k.startswith(("ALIGNFLOW_", "AWS_", "HF_"))})})
 
         def stop() -> None:
             ray.shutdown()
@@ -116,6 +118,7 @@ class Worker:
 
     def __init__(self, rank: int, world_size: int, threads: int):
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK="0", **{THREADS_ENV: str(threads)})
+        load_job_secrets()  # a worker reads and writes storage too; the job's runtime_env holds no credentials
         import torch
 
         torch.set_num_threads(threads)

@@ -31,7 +31,7 @@ import torch
 from alignflow.config import ConfigError, PipelineConfig, StageKind, dump_config
 from alignflow.config.base import BatchConfig, DataSource, DeepSpeedConfig, ModelConfig
 from alignflow.infra import manifest, storage
-from alignflow.stages.common.checkpoint import seed_everything, staging_dir
+from alignflow.stages.common.checkpoint import remove_staging, seed_everything, staging_dir
 from alignflow.stages.common.generation import HFGenerator, Rollout, SamplingParams
 from alignflow.stages.common.models import fetch_published_model, load_causal_lm, load_reward_model, load_tokenizer, resolve_model_path
 from alignflow.stages.common.pairs import Pair, load_pairs, pair_logps, pair_rewards
@@ -204,7 +204,8 @@ def publish_table(cfg: PipelineConfig, stage: str, key: str, out: str, table: di
     columns = [m for m in METRICS if any(m in row for row in table.values())]
     markdown = markdown_table(table, columns)
     print(markdown, flush=True)
-    local = publish_dir(out, staging_dir(key))
+    staging = staging_dir(key, out)
+    local = publish_dir(out, staging)
     local.mkdir(parents=True, exist_ok=True)
     (local / manifest.STAGE_MANIFEST).unlink(missing_ok=True)  # a stale one must not be uploaded with the files
     files: dict[str, str | bytes] = {
@@ -217,6 +218,7 @@ def publish_table(cfg: PipelineConfig, stage: str, key: str, out: str, table: di
     tracking.log_metrics(0, {k.replace("@", "_at_"): v for k, v in summary.items()})  # MLflow refuses `@` in a name
     finish_publish(out, local, files, meta)
     tracking.log_artifacts([local / f for f in (*files, manifest.STAGE_MANIFEST)])
+    remove_staging(staging)
     print(f"{stage}: published the table to {storage.join(out, 'table.md')}", flush=True)
     return summary
 

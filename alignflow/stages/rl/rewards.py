@@ -34,7 +34,11 @@ def load_function(spec: str, kind: str = "function") -> Callable[..., Any]:
     if module_spec is None or module_spec.loader is None:
         raise RewardError(f"cannot import {path}, the file of {kind} {name!r}")
     module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
+    try:
+        module_spec.loader.exec_module(module)
+    except Exception as exc:  # the user's file: its error is bad input, shown where it is
+        where = f"{exc.filename}:{exc.lineno}: " if isinstance(exc, SyntaxError) else ""
+        raise RewardError(f"{where}importing {path} (the file of {kind} {name!r}) failed: {type(exc).__name__}: {exc}") from None
     fn = getattr(module, name, None)
     if not callable(fn):
         raise RewardError(f"{path} has no {kind} {name!r}")

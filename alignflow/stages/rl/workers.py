@@ -69,7 +69,7 @@ class TrainedRole(Worker):
         with self.strategy.model_init():  # under ZeRO-3 the weights are partitioned as they load
             model = load_model()
         self.strategy.prepare(model, total_steps)
-        self.checkpoints = Checkpointer(self.strategy, stage_uri, rl.checkpoint.keep_last, staging_dir(key), role=self.role)
+        self.checkpoints = Checkpointer(self.strategy, stage_uri, rl.checkpoint.keep_last, staging_dir(key, stage_uri), role=self.role)
         return model
 
     def _train(self, exp: Experience, step: int, micro_loss) -> dict[str, float]:
@@ -166,7 +166,7 @@ class ActorWorker(TrainedRole):
         """The HF folder of the policy: written in place when storage is local, else staged and uploaded."""
         from alignflow.stages.common.publish import save_hf_model
 
-        local = storage.local_path(model_uri) if storage.is_local(model_uri) else staging_dir(key) / "actor-model"
+        local = storage.local_path(model_uri) if storage.is_local(model_uri) else staging_dir(key, model_uri.rsplit("/", 1)[0]) / "actor-model"
         save_hf_model(self.strategy, self.tokenizer, local)
         if self.strategy.is_main and not storage.is_local(model_uri):
             storage.upload_dir(local, model_uri)
