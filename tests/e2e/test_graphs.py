@@ -111,8 +111,8 @@ def test_compare_graph_runs_branches_at_once_and_a_failed_branch_fails_only_itse
                  "--set", f"broken.data.path={bad}", "--set", "eval.models=[sft, broken]", "--set", "ray.retries=2",
                  "--set", "ray.retry_delay_s=0")
     text = failed.stdout + failed.stderr
-    assert failed.returncode != 0 and "stages failed: broken (skipped: eval)" in text, text[-4000:]
-    assert f"{bad}:41: missing key 'completion'" in text
+    assert failed.returncode == 2 and "stages failed on bad input: broken (skipped: eval)" in text, text[-4000:]
+    assert f"error: {bad}:41: missing key 'completion'" in text
     new_kto = set(storage.list_dirs(str(root / "kto"))) - kto_before
     published = [k for k in new_kto if storage.exists(str(root / "kto" / k / "MANIFEST.json"))]
     assert len(published) == 1  # the kto sibling (5 steps) published; the broken stage did not
