@@ -89,7 +89,8 @@ def test_prefect_yaml_deploys_to_a_process_work_pool_and_a_worker_runs_it(servic
     worker = subprocess.Popen([PREFECT, "worker", "start", "--pool", "alignflow"], cwd=ROOT,
                               env={**os.environ, **services["env"]}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        overrides = ["name=e2e-worker", "storage.root=s3://alignflow-test/e2e-worker", "sft.batch.max_steps=10"]
+        # The served deployment's stage settings: the worker's run is answered by the stage cache (no training).
+        overrides = ["name=e2e-worker", "storage.root=s3://alignflow-test/e2e-deploy", "sft.batch.max_steps=20", "sft.optim.lr=0.002"]
         run = prefect_cli(services, "deployment", "run", "alignment/tiny", "--params", json.dumps({"overrides": overrides}),
                           "--watch", "--watch-timeout", "480")
         assert run.returncode == 0 and "Completed" in run.stdout, run.stdout[-3000:] + run.stderr[-3000:]
