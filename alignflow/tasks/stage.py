@@ -3,8 +3,10 @@
 Order of checks: the manifest store first (so a lost Prefect database loses no work), Prefect's cache
 second (its key function is over the stage's cache key, which hashes the stage's kind and result fields,
 its data content and its inputs' digests, and it only answers while the manifest it points at still
-exists). The key the flow computed travels to the job, which refuses to run under another. A failed job
-is retried by Prefect unless it failed on bad input.
+exists, and every file of it still matches its sha256). Before a job, the task takes the stage's lease
+(`infra/lease.py`): one run writes a stage at a time, and the job stops itself when the lease goes
+unrenewed. The key the flow computed travels to the job, which refuses to run under another; credentials
+travel apart from it (`infra/secrets.py`). A failed job is retried by Prefect unless it failed on bad input.
 """
 
 from __future__ import annotations
@@ -116,19 +118,14 @@ def run_stage(config: PipelineConfig, stage: str, key: str, upstream: dict[str, 
                     "checkpoint)", stage, problem)
     if done is not None:
         log.info("%s: cache hit at %s (no Ray job)", stage, uri)
-        run_id = tracker.record_cache_hit(ctx.parent_run_id, stage, key, ctx.flow_run_id, {**done.meta, "uri": uri},
-                                          stage_params(config, stage), child_tags(config, stage))
-        return result_from_manifest(config, stage, uri, key, done, time.time() - start, cached=True, run_id=run_id)
-
+        return _cache_hit(config, stage, key, uri, done, tracker, ctx, start)
     held = lease.acquire(uri, config.ray.lease_timeout_s, config.ray.wait_for_running_stage,
                          on_wait=lambda holder: log.info("%s: another run is writing %s (%s); waiting for it", stage, uri, holder))
     try:
         done = manifest.verify(uri)
-        if done is not None:  # the run we waited for published it
+        if done is not None:
             log.info("%s: published by the run it waited for, at %s (no Ray job)", stage, uri)
-            run_id = tracker.record_cache_hit(ctx.parent_run_id, stage, key, ctx.flow_run_id, {**done.meta, "uri": uri},
-                                              stage_params(config, stage), child_tags(config, stage))
-            return result_from_manifest(config, stage, uri, key, done, time.time() - start, cached=True, run_id=run_id)
+            return _cache_hit(config, stage, key, uri, done, tracker, ctx, start)
         run_id = tracker.start_child(ctx.parent_run_id, stage, key, ctx.flow_run_id, stage_params(config, stage), child_tags(config, stage))
         try:
             outcome, published = _run_job(config, stage, key, uri, upstream, run_id, tracker, ctx, held)
@@ -141,6 +138,13 @@ def run_stage(config: PipelineConfig, stage: str, key: str, upstream: dict[str, 
     result = result_from_manifest(config, stage, uri, key, published, time.time() - start, cached=False, run_id=run_id)
     return result.model_copy(update={"job_seconds": outcome.seconds, "ray_job_id": outcome.job_id,
                                      "job_started_at": outcome.started_at, "job_ended_at": outcome.ended_at})
+
+
+def _cache_hit(config: PipelineConfig, stage: str, key: str, uri: str, done: manifest.Manifest, tracker: Tracker,
+               ctx: RunContext, start: float) -> StageResult:
+    run_id = tracker.record_cache_hit(ctx.parent_run_id, stage, key, ctx.flow_run_id, {**done.meta, "uri": uri},
+                                      stage_params(config, stage), child_tags(config, stage))
+    return result_from_manifest(config, stage, uri, key, done, time.time() - start, cached=True, run_id=run_id)
 
 
 def _run_job(config: PipelineConfig, stage: str, key: str, uri: str, upstream: dict[str, StageResult], run_id: str,
