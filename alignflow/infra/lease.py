@@ -30,17 +30,19 @@ class LeaseHeld(RuntimeError):
     """Another live run holds the stage."""
 
 
-def _process_started() -> float:
+def process_holder(tag: str) -> str:
+    """`host:pid:create time:tag`: names this process so that `holder_gone` can tell, later and from any
+    process on this host, whether it still runs (a recycled pid has another create time)."""
     import psutil
 
-    return psutil.Process().create_time()
+    return f"{socket.gethostname()}:{os.getpid()}:{psutil.Process().create_time()}:{tag}"
 
 
 @dataclass
 class Lease:
     uri: str
     timeout_s: float
-    holder: str = field(default_factory=lambda: f"{socket.gethostname()}:{os.getpid()}:{_process_started()}:{uuid.uuid4().hex[:8]}")
+    holder: str = field(default_factory=lambda: process_holder(uuid.uuid4().hex[:8]))
     renewals: int = 0
     last_renewed: float = 0.0
 

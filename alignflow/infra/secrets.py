@@ -6,7 +6,8 @@ travels there, nor in the entry point. Instead:
 
 - a head on this machine (a loopback Jobs API address): the caller writes its credentials to a
   0600 file in a 0700 folder of its own, the job gets that file's path (`SECRETS_FILE_ENV`) and
-  reads it at start, and the caller deletes the folder when the job ends;
+  reads it at start, and the caller deletes the folder when the job ends (the next run deletes those of
+  runs killed before they could);
 - a remote cluster: nothing is sent; the nodes provide their own credentials (instance roles,
   or the variables set on every node), and the job gets only the names it was started with
   (`SECRET_NAMES_ENV`), so a node lacking one says so in the job's log (an instance role needs
@@ -20,12 +21,16 @@ import os
 import re
 import shutil
 import tempfile
+import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
+from alignflow.infra.lease import holder_gone, process_holder
+
 SECRETS_FILE_ENV = "ALIGNFLOW_SECRETS_FILE"
 SECRET_NAMES_ENV = "ALIGNFLOW_SECRET_NAMES"
+FOLDER_PREFIX = "alignflow-secrets-"
 # Credential-shaped names: AWS keys, HF/MLflow/API tokens, passwords.
 _SECRET = re.compile(r"(^AWS_ACCESS_KEY_ID$|SECRET|TOKEN|PASSWORD|API_KEY|CREDENTIAL)")
 
@@ -59,8 +64,10 @@ def job_env(env: dict[str, str], local: bool) -> Iterator[dict[str, str]]:
     if not local:
         yield {**plain, SECRET_NAMES_ENV: ",".join(sorted(secret))}
         return
-    folder = Path(tempfile.mkdtemp(prefix="alignflow-secrets-"))  # 0700 by mkdtemp
+    _sweep()
+    folder = Path(tempfile.mkdtemp(prefix=FOLDER_PREFIX))  # 0700 by mkdtemp
     try:
+        (folder / "owner").write_text(process_holder("secrets"))
         path = folder / "env.json"
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as f:
@@ -68,6 +75,17 @@ def job_env(env: dict[str, str], local: bool) -> Iterator[dict[str, str]]:
         yield {**plain, SECRETS_FILE_ENV: str(path)}
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def _sweep() -> None:
+    """Remove the credentials folders of runs that are gone (a run killed with SIGKILL cannot remove its own)."""
+    for folder in Path(tempfile.gettempdir()).glob(f"{FOLDER_PREFIX}*"):
+        try:
+            gone = holder_gone((folder / "owner").read_text())
+        except OSError:  # no owner yet (being made) or unreadable: only an old one is abandoned
+            gone = time.time() - folder.stat().st_mtime > 600
+        if gone:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def load_job_secrets() -> None:

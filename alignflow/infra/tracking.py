@@ -24,12 +24,6 @@ LINEAGE_TAG = "alignflow.lineage_digest"
 HOLDER_TAG = "alignflow.process"  # host:pid:create time:run of the flow process that opened a parent run
 
 
-def this_process() -> str:
-    import socket
-
-    import psutil
-
-    return f"{socket.gethostname()}:{os.getpid()}:{psutil.Process().create_time()}:run"
 
 
 @dataclass(frozen=True)
@@ -119,7 +113,9 @@ class Tracker:
         return f"{self.uri} (experiment {self.experiment_id}, run {run_id}); view with `mlflow ui --backend-store-uri {self.uri}`"
 
     def start_parent(self, run_name: str, tags: dict[str, str], params: dict) -> str:
-        tags = {**tags, HOLDER_TAG: this_process()}
+        from alignflow.infra.lease import process_holder
+
+        tags = {**tags, HOLDER_TAG: process_holder("run")}
         run = self.client.create_run(self.experiment_id, run_name=run_name, tags=tags)
         self.log_params(run.info.run_id, params)
         return run.info.run_id

@@ -121,7 +121,8 @@ def assert_no_credentials_leaked(services, roots: list[str], console: str) -> No
     leaks = [where for where, blob in places.items() if any(c in blob for c in canaries)]
     assert not leaks, f"credentials found in: {leaks[:10]}"
     assert len(places) > 50  # the scan saw the logs, databases and objects
-    assert not list(Path(tempfile.gettempdir()).glob("alignflow-secrets-*"))  # the job's credentials file is gone
+    assert not list(Path(tempfile.gettempdir()).glob("alignflow-secrets-*"))  # the job's credentials file is gone (and
+    # any that an earlier, killed run left behind)
 
 
 def _wait_for_checkpoint(root_prefix: str, timeout: float = 300) -> str:
@@ -180,6 +181,9 @@ def test_killed_stage_resumes_from_its_checkpoint(services, tmp_path, kill):
     metrics = json.loads(storage.read_text(storage.join(sft["uri"], "metrics.json")))
     assert sft["cache_key"] == key and metrics["resumed_from_step"] >= 10
     assert not storage.exists(f"{root}/sft/{key}/job/LEASE.json")  # released
+    from pathlib import Path
+
+    assert not list(Path(tempfile.gettempdir()).glob("alignflow-secrets-*"))  # the killed run's credentials too
     if kill == "flow_sigkill":
         from ray.job_submission import JobSubmissionClient
 

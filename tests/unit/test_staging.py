@@ -12,8 +12,8 @@ def test_staging_is_per_published_folder_and_a_dead_runs_is_swept(tmp_path, monk
     a, b = staging_dir("k1", "s3://bucket/a/sft/k1"), staging_dir("k1", "/local/b/sft/k1")
     assert a != b and a.parent == b.parent == tmp_path / "alignflow-staging"
     assert staging_dir("k1", "s3://bucket/a/sft/k1") == a  # the ranks of one run share it
-    dead = subprocess.run([sys.executable, "-c", "import os, psutil; print(os.getpid(), psutil.Process().create_time())"],
-                          capture_output=True, text=True, check=True).stdout
+    dead = subprocess.run([sys.executable, "-c", "from alignflow.infra.lease import process_holder; print(process_holder('x'))"],
+                          capture_output=True, text=True, check=True).stdout.strip()
     (b / OWNER_FILE).write_text(dead)  # b's run crashed
     (b / "checkpoints").mkdir()
     staging_dir("k2", "s3://bucket/a/sft/k2")  # the next run sweeps it

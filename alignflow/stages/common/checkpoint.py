@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import random
 import shutil
 import tempfile
@@ -25,6 +24,7 @@ import numpy as np
 import torch
 
 from alignflow.infra import manifest, storage
+from alignflow.infra.lease import holder_gone, process_holder
 from alignflow.stages.common.strategy import Strategy
 
 log = logging.getLogger(__name__)
@@ -149,7 +149,7 @@ def staging_dir(key: str, stage_uri: str) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     owner = path / OWNER_FILE
     if _owner_gone(owner):
-        owner.write_text(_me())
+        owner.write_text(process_holder("staging"))
     return path
 
 
@@ -160,19 +160,10 @@ def remove_staging(path: Path) -> None:
 OWNER_FILE = ".owner"
 
 
-def _me() -> str:
-    import psutil
-
-    return f"{os.getpid()} {psutil.Process().create_time()}"
-
-
 def _owner_gone(owner: Path) -> bool:
-    import psutil
-
     try:
-        pid, started = owner.read_text().split()
-        return abs(psutil.Process(int(pid)).create_time() - float(started)) > 1.0  # a recycled pid is someone else
-    except (OSError, ValueError, psutil.NoSuchProcess):
+        return holder_gone(owner.read_text())
+    except OSError:
         return True
 
 
