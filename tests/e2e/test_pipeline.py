@@ -240,6 +240,14 @@ def test_two_runs_of_one_stage_make_one_writer(services, tmp_path):
     assert sorted(s["cached"] for s in stages) == [False, True] and stages[0]["digest"] == stages[1]["digest"]
     assert len(set(ray_jobs(services)) - set(before)) == 1
     assert any("another run is writing" in o for o in outs)
+    # The job logged its artifacts to the sqlite store's artifact root on S3 (MLflow's own S3 client, endpoint
+    # and credentials from the job's environment).
+    from mlflow import MlflowClient
+
+    storage.export_s3_endpoint()  # this process's MLflow client reads the S3 server's address from MLFLOW_S3_ENDPOINT_URL
+    trained = next(s for s in stages if not s["cached"])
+    logged = {a.path for a in MlflowClient(db).list_artifacts(trained["mlflow_run_id"])}
+    assert {"MANIFEST.json", "metrics.json", "config.yaml"} <= logged
 
 
 def test_bad_input_fails_before_any_job_and_is_not_retried(services, tmp_path):
