@@ -16,9 +16,12 @@ from __future__ import annotations
 import json
 import os
 import socket
+import threading
 import time
 import uuid
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Iterator
 
 from alignflow.infra import storage
 
@@ -59,6 +62,23 @@ class Lease:
         except Exception:  # a storage hiccup: the next poll tries again (the job waits timeout_s before it gives up)
             return
         self.last_renewed = time.time()
+
+    @contextmanager
+    def renewing(self) -> Iterator[None]:
+        """Renew from a thread of its own while the body runs (a slow Jobs API must not starve the lease)."""
+        stop = threading.Event()
+
+        def loop() -> None:
+            while not stop.wait(self.timeout_s / 4):
+                self.renew(every_s=0)
+
+        thread = threading.Thread(target=loop, name="alignflow-lease-renew", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            thread.join()
 
     def release(self) -> None:
         if read(self.uri).get("holder") == self.holder:
@@ -127,10 +147,10 @@ class Watcher:
         self.timeout_s = float(timeout)
         self.seen, self.since = None, time.monotonic()
 
-    def watch(self, every_s: float = 5.0) -> None:
-        """In a daemon thread: when the lease is lost, say why and end the process (its run is gone)."""
-        import threading
-
+    def watch(self, every_s: float | None = None) -> None:
+        """In a daemon thread: when the lease is lost, say why and end the process (its run is gone). Looks every
+        `every_s` (default: half the timeout, at most 5 s)."""
+        every_s = every_s if every_s is not None else min(5.0, self.timeout_s / 2)
         from alignflow.exit_codes import ORPHANED
 
         def loop() -> None:

@@ -68,10 +68,9 @@ def run_job(
     timeout_s: float,
     on_log: Callable[[str], None],
     on_submit: Callable[[str], None] = lambda job_id: None,
-    on_poll: Callable[[], None] = lambda: None,
     poll_s: float = 1.0,
 ) -> JobOutcome:
-    """Submit, stream new log lines to `on_log`, call `on_poll` each poll, and wait. The job is stopped if this call
+    """Submit, stream new log lines to `on_log`, and wait. The job is stopped if this call
     ends any other way than by the job finishing (timeout, exception, cancellation)."""
     from ray.job_submission import JobStatus
 
@@ -84,7 +83,6 @@ def run_job(
                         metadata={"alignflow.stage": name})
         on_submit(job_id)
         while True:
-            on_poll()
             status, log = _poll(jobs, job_id)
             for line in tail.new_lines(log):
                 on_log(line)

@@ -159,11 +159,11 @@ def _run_job(config: PipelineConfig, stage: str, key: str, uri: str, upstream: d
     entry = ray_jobs.stage_entrypoint(stage=stage, config_uri=config_uri, output_uri=uri, cache_key=key,
                                       inputs={role: r.uri for role, r in upstream.items()})
     log.info("%s: submitting Ray job to %s: %s", stage, ctx.ray_address, entry)
-    with secrets.job_env(env, local=ray_jobs.is_local_address(ctx.ray_address)) as job_env:
+    with secrets.job_env(env, local=ray_jobs.is_local_address(ctx.ray_address)) as job_env, held.renewing():
         try:
             outcome = ray_jobs.run_job(
                 ctx.ray_address, entry, job_env, stage, config.ray.job_timeout_s, on_log=lambda line: log.info("%s: %s", stage, line),
-                on_submit=lambda job_id: tracker.set_tag(run_id, "ray.job_id", job_id), on_poll=held.renew,
+                on_submit=lambda job_id: tracker.set_tag(run_id, "ray.job_id", job_id),
             )
         except ray_jobs.StageJobError as exc:
             raise _with_saved_log(exc, storage.join(uri, "job", f"{exc.job_id}.log")) from None

@@ -156,7 +156,7 @@ def test_killed_stage_resumes_from_its_checkpoint(services, tmp_path, kill):
 
     root = f"s3://alignflow-test/e2e-kill-{kill}"
     args = run_args(root, "--set", "sft.batch.max_steps=200", "--set", "ray.retries=0", "--set", f"name=kill-{kill}",
-                    "--set", "ray.lease_timeout_s=10")
+                    "--set", "ray.lease_timeout_s=5")  # the job stops itself ~5-8 s after the kill, long before step 200
     before = ray_jobs(services)
     proc = alignflow(services, *args, wait=False)
     job = _running_job(services, before)

@@ -44,3 +44,15 @@ def test_an_unrenewed_lease_goes_stale_for_takers_and_for_the_job(tmp_path):
     taken = lease.acquire(str(tmp_path), timeout_s=1.0, wait=True, poll_s=0.1)
     assert "another run now holds" in watcher.lost()
     taken.release()
+
+
+def test_the_lease_is_renewed_from_its_own_thread_while_the_caller_blocks(tmp_path):
+    held = lease.acquire(str(tmp_path), timeout_s=0.8, wait=False)
+    watcher = lease.Watcher(held.env())
+    with held.renewing():
+        for _ in range(6):  # 1.8 s of a caller blocked elsewhere (a slow Jobs API): more than twice the timeout
+            time.sleep(0.3)
+            assert watcher.lost() is None
+    time.sleep(1.0)
+    assert "stopped renewing" in watcher.lost()
+    held.release()
