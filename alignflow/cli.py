@@ -34,7 +34,7 @@ def _load(config: Path, overrides: list[str] | None):
 
 # What the run summary shows of each stage (those it has): held-out figures first.
 SUMMARY_METRICS = ("eval/loss_initial", "eval/loss", "eval/accuracy", "eval/nll", "eval/pairwise_accuracy", "eval/rewards/accuracy", "eval/rewards/margin",
-                   "eval/reward_initial", "eval/reward", "reward/mean", "kl")
+                   "eval/reward_initial", "eval/reward", "reward/mean", "kl", "data/train/used", "data/train/skipped", "data/train/filtered")
 
 
 @app.command()
@@ -154,7 +154,7 @@ def _print_summary(result: dict) -> None:
     for col in ("stage", "kind", "cache", "seconds", "main metrics", "published at"):
         table.add_column(col, overflow="fold")
     for st in result["stages"]:
-        main = {k: v for k, v in st["metrics"].items() if k in SUMMARY_METRICS}
+        main = {k: v for k, v in st["metrics"].items() if k in SUMMARY_METRICS and (v or not k.startswith("data/"))}
         table.add_row(st["stage"], st["kind"], "hit" if st["cached"] else "run", f"{st['seconds']:.1f}",
                       ", ".join(f"{k}={v:.4g}" for k, v in main.items()), st["uri"])
     console.print(table)

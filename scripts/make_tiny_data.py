@@ -128,6 +128,48 @@ def main() -> None:
             kto_rows.append({"prompt": p, "completion": r if good else wrong_answer(p, r, rng), "label": good})
         write(f"kto/{split}.jsonl", kto_rows)
         write(f"rl/{split}.jsonl", [{"prompt": p, "answer": r} for p, r in pools[f"rl_{split}"]])
+    write_examples({p for pool in pools.values() for p, _ in pool})
+
+
+def write_examples(used: set[str]) -> None:
+    """data/examples/: the tiny tasks in the shapes of the most used public datasets, each read by
+    configs/examples/<name>.yaml through data options alone. Prompts used nowhere else."""
+    rng = random.Random(2024)
+    add = [(p, a) for p, a in addition_prompts(rng) if p not in used]
+    rev = [(p, a) for p, a in reverse_prompts(rng, 9000) if p not in used]
+    take = lambda n: interleave([add.pop() for _ in range(n // 2)], [rev.pop() for _ in range(n // 2)])  # noqa: E731
+    user = lambda text: {"role": "user", "content": text}  # noqa: E731
+    bot = lambda text: {"role": "assistant", "content": text}  # noqa: E731
+
+    def scores(i: int) -> tuple[float, float]:
+        # Every 20th pair is a near tie (gap 0.25) that `min_score_gap: 0.5` filters out.
+        low = round(rng.uniform(1.0, 3.0), 2)
+        return (low + 0.25 if i % 20 == 19 else round(low + rng.uniform(1.0, 2.0), 2)), low
+
+    uf = []
+    for i, (p, r) in enumerate(take(600)):
+        wrong, (good, bad) = visibly_wrong_answer(p, r, rng), scores(i)
+        uf.append({"prompt": p, "prompt_id": f"{i:04d}", "chosen": [user(p), bot(r)], "rejected": [user(p), bot(wrong)],
+                   "messages": [user(p), bot(r)], "score_chosen": good, "score_rejected": bad})
+    write("examples/ultrafeedback_binarized.jsonl", uf)
+
+    hh, rows = [], take(600)
+    for i, (p, r) in enumerate(rows):
+        wrong = visibly_wrong_answer(p, r, rng)
+        before = f"\n\nHuman: {rows[i - 1][0]}\n\nAssistant: {rows[i - 1][1]}" if i % 4 == 3 else ""  # every 4th: two turns
+        hh.append({"chosen": f"{before}\n\nHuman: {p}\n\nAssistant: {r}", "rejected": f"{before}\n\nHuman: {p}\n\nAssistant: {wrong}"})
+    write("examples/hh_rlhf.jsonl", hh)
+
+    write("examples/alpaca.jsonl", [
+        {"instruction": "Add the two numbers.", "input": p, "output": r} if "+" in p else {"instruction": p, "input": "", "output": r}
+        for p, r in take(200)])
+    chat = take(100)
+    write("examples/openai_chat.jsonl", [
+        {"messages": [{"role": "system", "content": "Answer briefly."}, user(p1), bot(r1), user(p2), bot(r2)]}
+        for (p1, r1), (p2, r2) in zip(chat[0::2], chat[1::2])])
+    write("examples/gsm8k.jsonl", [
+        {"question": f"What is {p.replace('+', ' plus ')}?", "answer": f"{p.replace('+', ' + ')} = {r}\n#### {r}"}
+        for p, r in take(200) if "+" in p])
 
 
 if __name__ == "__main__":

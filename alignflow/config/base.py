@@ -16,12 +16,12 @@ import enum
 import hashlib
 import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 NOT_RESULT = {"result": False}  # json_schema_extra marker: field left out of config_hash()
-DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
+DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
 
 
 class ConfigError(ValueError):
@@ -74,7 +74,43 @@ class DataSource(Frozen):
     eval_fraction: float = Field(0.05, ge=0.0, lt=1.0)
     max_len: int = Field(128, ge=8, description="Tokens per sample (or per packed row); longer responses are truncated.")
     on_bad_row: Literal["error", "skip"] = Field("error", description="Bad rows stop the run, or are skipped and counted.")
+    max_skip_fraction: float = Field(0.05, ge=0.0, le=1.0, description="The stage fails, with the counts, when more of the rows "
+                                     "read were skipped (bad rows under `on_bad_row: skip`, blank lines).", json_schema_extra=NOT_RESULT)
     max_samples: int | None = Field(None, ge=1)
+    format: Literal["auto", "text", "chat", "hh"] = Field("auto", description="How text fields are read: `auto` (strings are text, "
+                                                          "lists of {role, content} are conversations), `text`, `chat` (strings become "
+                                                          "chat turns), `hh` (HH-RLHF `Human:`/`Assistant:` transcripts).")
+    input_template: str | None = Field(None, description="The prompt built from columns, e.g. `{instruction}` and `{input}` "
+                                                         "joined by a blank line; replaces the prompt column. A paragraph or line "
+                                                         "whose columns are all empty is left out.")
+    ignore_columns: tuple[str, ...] = Field((), description="Columns known to be unused: no warning for them.", json_schema_extra=NOT_RESULT)
+
+    # Columns that reach the stage beyond the `*_key` ones (the rl stage hands every column to its reward function).
+    PASSES_EVERY_COLUMN: ClassVar[bool] = False
+
+    @field_validator("input_template")
+    @classmethod
+    def _template_parses(cls, v: str | None) -> str | None:
+        from alignflow.stages.common.formats import placeholders
+
+        if v is None:
+            return v
+        try:
+            names = placeholders(v)
+        except ValueError as exc:
+            raise ValueError(f"input_template {v!r} does not parse ({exc}); write a literal brace as {{{{ or }}}}") from None
+        if not names or any(not n.isidentifier() for n in names):
+            raise ValueError(f"input_template {v!r} needs column placeholders such as {{instruction}} (names, no format specs)")
+        return v
+
+    def used_columns(self) -> set[str] | None:
+        """The columns this config reads (None: every column); the others are reported once, at load."""
+        if self.PASSES_EVERY_COLUMN:
+            return None
+        from alignflow.stages.common.formats import placeholders
+
+        keys = {v for k, v in self if k.endswith("_key") and isinstance(v, str)}
+        return keys | set(placeholders(self.input_template or "")) | set(self.ignore_columns)
 
     @field_validator("path", "eval_path")
     @classmethod
@@ -84,6 +120,11 @@ class DataSource(Frozen):
         if v is None or "://" in v:
             return v
         p = Path(v).expanduser()
+        if p.is_dir() and not any((p / f).is_file() for f in ("dataset_dict.json", "dataset_info.json")):
+            raise ValueError(f"{v!r} is a folder; give one data file ({', '.join(DATA_SUFFIXES)}) or a dataset saved "
+                             "with `datasets`' save_to_disk (a folder of several files is not merged)")
+        if p.is_file() and p.suffix not in DATA_SUFFIXES:
+            raise ValueError(f"{v!r}: unknown data format {p.suffix or '(no suffix)'!r}; use {', '.join(DATA_SUFFIXES)}")
         if p.exists():
             return str(p.resolve())
         if p.suffix in DATA_SUFFIXES or v.startswith((".", "/", "~")):
@@ -100,6 +141,21 @@ class PreferenceDataConfig(DataSource):
     chosen_key: str = "chosen"
     rejected_key: str = "rejected"
     margin_key: str | None = Field(None, description="Optional per-pair margin column (rm with the sigmoid loss).")
+    margin_from: tuple[str, str] | None = Field(None, description="Score columns `[chosen, rejected]`: the margin is their "
+                                                                  "difference (UltraFeedback's `[score_chosen, score_rejected]`).")
+    min_score_gap: float | None = Field(None, ge=0, description="Leave out pairs whose `margin_from` scores differ by less "
+                                                                "(counted as filtered, not skipped).")
+
+    @model_validator(mode="after")
+    def _one_margin(self) -> "PreferenceDataConfig":
+        if self.margin_key and self.margin_from:
+            raise ValueError("set margin_key (a margin column) or margin_from (two score columns), not both")
+        if self.min_score_gap is not None and not self.margin_from:
+            raise ValueError("min_score_gap filters on the gap between the margin_from score columns: set margin_from: [chosen, rejected]")
+        return self
+
+    def used_columns(self) -> set[str] | None:
+        return super().used_columns() | set(self.margin_from or ())
 
 
 
@@ -108,6 +164,7 @@ class PromptDataConfig(DataSource):
 
     prompt_key: str = "prompt"
 
+    PASSES_EVERY_COLUMN: ClassVar[bool] = True
 
 
 class OptimConfig(Frozen):

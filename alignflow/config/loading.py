@@ -10,14 +10,16 @@ when that is a kind (`sft:` is an sft stage), so `--set dpo.from=sft` adds a dpo
 from __future__ import annotations
 
 import json
+import types
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Union, get_args, get_origin
 
 import yaml
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from alignflow.config.base import ConfigError
 from alignflow.config.graph import PipelineConfig, StageKind
+from alignflow.stages.common.formats import closest
 
 SETTINGS = ("name", "storage", "ray", "tracking", "register")
 RETIRED = {
@@ -172,8 +174,39 @@ def format_validation_error(exc: ValidationError, source: str, lines: dict[tuple
         # A whole section (or the whole file, at the root) is no value worth repeating.
         shown = "" if graph_loc is not None or err["type"] == "missing" or not loc or isinstance(value, dict) else f" (got {value!r})"
         msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            valid = _valid_keys(tuple(str(p) for p in err["loc"]))
+            msg = f"unknown key{closest(loc[-1], valid)}" if closest(loc[-1], valid) else f"unknown key (valid here: {', '.join(valid)})"
         msgs.append(f"{where}: {field}: {msg}{shown}" if graph_loc is None else f"{where}: {loc[0]}: {msg}")
     return "invalid config:\n  " + "\n  ".join(msgs)
+
+
+def _valid_keys(loc: tuple[str, ...]) -> list[str]:
+    """The keys a config section allows, for the section that holds the last part of a pydantic error location."""
+    current: list = [PipelineConfig]
+    for part in loc[:-1]:
+        found: list = []
+        for c in current:
+            if isinstance(c, tuple):  # a dict key: any name, its value's type
+                found += _members(c[1])
+            elif part in c.model_fields:
+                found += _members(c.model_fields[part].annotation)
+            elif "kind" in c.model_fields and c.model_fields["kind"].default == part:  # a tagged union's tag
+                found.append(c)
+        current = found
+    return sorted({f.alias or k for c in current if not isinstance(c, tuple) for k, f in c.model_fields.items()})
+
+
+def _members(tp: Any) -> list:
+    """The config classes an annotation allows (through Optional, unions, Annotated); a dict as ("dict", value type)."""
+    origin = get_origin(tp)
+    if origin is Annotated:
+        return _members(get_args(tp)[0])
+    if origin in (Union, types.UnionType):
+        return [m for arg in get_args(tp) for m in _members(arg)]
+    if origin is dict:
+        return [("dict", get_args(tp)[1])]
+    return [tp] if isinstance(tp, type) and issubclass(tp, BaseModel) else []
 
 
 def _yaml_lines(text: str) -> dict[tuple, int]:

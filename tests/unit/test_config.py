@@ -133,7 +133,7 @@ def test_later_stages_start_from_upstream_and_reject_contradictions(tmp_path):
     with pytest.raises(ConfigError, match="dpo: two starting models: from: 'sft' and model.name_or_path='builtin:tiny'"):
         load_config(write(tmp_path, BASE), ["dpo.from=sft", f"dpo.data.path={pref}", "dpo.model.name_or_path=builtin:tiny"])
     rm = ["rm.from=sft", f"rm.data.path={pref}", "register.stage=sft"]
-    with pytest.raises(ConfigError, match="margin_key='m' needs loss: sigmoid, not 'logexp'"):
+    with pytest.raises(ConfigError, match=r"a margin \(data.margin_key or data.margin_from\) needs loss: sigmoid, not 'logexp'"):
         load_config(write(tmp_path, BASE), [*rm, "rm.data.margin_key=m", "rm.loss=logexp"])
     with pytest.raises(ConfigError, match="label_smoothing=0.1 is cDPO: it needs loss: dpo, not 'ipo'"):
         load_config(write(tmp_path, BASE), ["dpo.from=sft", f"dpo.data.path={pref}", "dpo.loss=ipo", "dpo.label_smoothing=0.1"])

@@ -53,8 +53,8 @@ def test_truncation_cuts_the_response(tmp_path, tokenizer):
 @pytest.mark.parametrize(
     "row, message",
     [
-        ({"prompt": "1+2"}, "missing key 'response' (row has: prompt)"),
-        ({"prompt": "1+2", "response": 3}, "'response' must be a string, got int 3"),
+        ({"prompt": "1+2"}, "missing key 'response' (set data.output_key to the column that holds it; row has: prompt)"),
+        ({"prompt": "1+2", "response": 3}, "'response' must be a string or a list of {role, content} messages (got int 3)"),
         ({"prompt": "1+2", "response": "  "}, "'response' is empty"),
         ({"prompt": "x" * 40, "response": "y"}, "prompt is 44 tokens, not shorter than data.max_len=32"),
         ("{not json", "not valid JSON"),
@@ -79,10 +79,11 @@ def test_bad_messages_rows(tmp_path, tokenizer):
 
 def test_bad_rows_skipped_and_counted_when_asked(tmp_path, tokenizer):
     rows = [{"prompt": "1+1", "response": "2"}, {"prompt": "1+2"}, {"prompt": "1+3"}, {"prompt": 5, "response": "x"}, "{bad"]
-    train, _, stats = load_sft_samples(cfg(jsonl(tmp_path, rows), on_bad_row="skip"), tokenizer, seed=0)
+    train, _, stats = load_sft_samples(cfg(jsonl(tmp_path, rows), on_bad_row="skip", max_skip_fraction=1.0), tokenizer, seed=0)
     assert len(train) == 1
     assert stats["train"]["read"] == 5 and stats["train"]["used"] == 1
-    assert stats["train"]["skipped"] == {"missing key 'response'": 2, "'prompt' must be a string, got int 5": 1, "not valid JSON": 1}
+    assert stats["train"]["skipped"] == {"missing key 'response'": 2, "'prompt' must be a string or a list of {role, content} messages": 1,
+                                         "not valid JSON": 1}
 
 
 def test_empty_dataset_is_an_error(tmp_path, tokenizer):
@@ -174,9 +175,9 @@ def test_non_utf8_data_is_a_bad_row_naming_file_and_line(tmp_path, tokenizer):
         list(read_rows(str(whole)))
 
 
-def test_read_rows_reports_lines(tmp_path):
+def test_read_rows_reports_lines_and_blank_ones(tmp_path):
     path = jsonl(tmp_path, [{"a": 1}, "", {"b": 2}])
-    assert [w for w, _ in read_rows(path)] == [f"{path}:1", f"{path}:3"]
+    assert [(w, r) for w, r in read_rows(path)] == [(f"{path}:1", {"a": 1}), (f"{path}:2", "blank line"), (f"{path}:3", {"b": 2})]
 
 
 def test_packed_rows_compute_what_separate_rows_compute(tiny_model_path):

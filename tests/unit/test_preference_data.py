@@ -67,8 +67,8 @@ def test_shared_rows_compute_what_separate_rows_do(tmp_path, tokenizer, tiny_mod
 
 @pytest.mark.parametrize("row, message", [
     ({"prompt": "1+2", "chosen": "3", "rejected": "3"}, "'chosen' and 'rejected' are the same response ('3'): nothing to prefer"),
-    ({"prompt": "1+2", "chosen": "3"}, "missing key 'rejected' (row has: chosen, prompt)"),
-    ({"prompt": "1+2", "chosen": "3", "rejected": 4}, "'rejected' must be a string, got int 4"),
+    ({"prompt": "1+2", "chosen": "3"}, "missing key 'rejected' (set data.rejected_key to the column that holds it; row has: chosen, prompt)"),
+    ({"prompt": "1+2", "chosen": "3", "rejected": 4}, "'rejected' must be a string or a list of {role, content} messages (got int 4)"),
     ({"prompt": "1+2", "chosen": "3", "rejected": "  "}, "'rejected' is empty"),
 ])
 def test_bad_pairs_name_file_and_line(tmp_path, tokenizer, row, message):
@@ -85,15 +85,15 @@ def test_pairs_identical_after_truncation_and_margins(tmp_path, tokenizer):
     path = jsonl(tmp_path, [{"prompt": "1+2", "chosen": "3", "rejected": "4", "m": 1.5}, {"prompt": "1+2", "chosen": "3", "rejected": "4", "m": "big"}])
     with pytest.raises(DataError, match=r":2: 'm' must be a finite number, got str 'big'"):
         load_pairs(pairs_cfg(path, margin_key="m"), tokenizer, 0)
-    kept, _, stats = load_pairs(pairs_cfg(path, margin_key="m", on_bad_row="skip"), tokenizer, 0)
+    kept, _, stats = load_pairs(pairs_cfg(path, margin_key="m", on_bad_row="skip", max_skip_fraction=0.5), tokenizer, 0)
     assert [p.margin for p in kept] == [1.5] and stats["train"]["skipped"] == {"'m' must be a finite number, got str 'big'": 1}
 
 
 def test_bad_pairs_are_skipped_and_counted_when_asked(tmp_path, tokenizer):
     rows = [{"prompt": "1+1", "chosen": "2", "rejected": "2"}, {"prompt": "1+2", "chosen": "3"}, {"prompt": "2+2", "chosen": "4", "rejected": "5"}]
-    kept, _, stats = load_pairs(pairs_cfg(jsonl(tmp_path, rows), on_bad_row="skip"), tokenizer, 0)
+    kept, _, stats = load_pairs(pairs_cfg(jsonl(tmp_path, rows), on_bad_row="skip", max_skip_fraction=1.0), tokenizer, 0)
     assert len(kept) == 1
-    assert stats["train"] == {"read": 3, "used": 1, "skipped": {
+    assert stats["train"] == {"read": 3, "used": 1, "filtered": {}, "skipped": {
         "'chosen' and 'rejected' are the same response": 1, "missing key 'rejected'": 1}}  # reasons without row values
 
 
@@ -101,7 +101,7 @@ def test_kto_rows_need_a_boolean_label(tmp_path, tokenizer):
     good = {"prompt": "1+2", "completion": "3", "label": True}
     for bad, message in (({**good, "label": "yes"}, "'label' must be a boolean (true = desirable), got str 'yes'"),
                          ({**good, "label": 1}, "'label' must be a boolean (true = desirable), got int 1"),
-                         ({"prompt": "1+2", "completion": "3"}, "missing key 'label' (row has: completion, prompt)")):
+                         ({"prompt": "1+2", "completion": "3"}, "missing key 'label' (set data.label_key to the column that holds it; row has: completion, prompt)")):
         path = jsonl(tmp_path, [good, bad])
         with pytest.raises(DataError) as err:
             load_kto_rows(KTODataConfig(path=path, eval_fraction=0.0), tokenizer, 0)

@@ -66,9 +66,10 @@ def test_reward_function_file_content_is_in_the_cache_key(tmp_path):
 def test_prompts_need_the_prompt_column(tmp_path, tokenizer):
     path = tmp_path / "p.jsonl"
     path.write_text(json.dumps({"prompt": "1+1", "answer": "2"}) + "\n" + json.dumps({"question": "2+2", "answer": "4"}) + "\n")
-    with pytest.raises(DataError, match=rf"{path}:2: missing key 'prompt' \(row has: answer, question\)"):
+    with pytest.raises(DataError, match=rf"{path}:2: missing key 'prompt' \(set data.prompt_key to the column that holds it; row has: answer, question\)"):
         load_prompts(PromptDataConfig(path=str(path), eval_fraction=0.0), tokenizer, 0)
-    rows, _, _ = load_prompts(PromptDataConfig(path=str(path), eval_fraction=0.0, prompt_key="question", on_bad_row="skip"), tokenizer, 0)
+    rows, _, _ = load_prompts(PromptDataConfig(path=str(path), eval_fraction=0.0, prompt_key="question", on_bad_row="skip",
+                                                max_skip_fraction=0.5), tokenizer, 0)
     assert [r.text for r in rows] == ["2+2"] and columns_of(rows) == {"answer": ["4"]}
 
 

@@ -22,10 +22,10 @@ import numpy as np
 import torch
 
 from alignflow.infra import storage
+from alignflow.stages.common.formats import (DataError, FilteredRow, Messages, closest, column, conversation, is_messages,
+                                             render_template, text_or_messages)
 
-
-class DataError(ValueError):
-    """A data problem, naming the source and the row."""
+__all__ = ["DataError", "FilteredRow"]  # re-exported: stages import the data errors from here
 
 
 @dataclass
@@ -57,12 +57,37 @@ class TokenBatch:
 
 @dataclass
 class RowStats:
+    """Rows read, used, skipped (bad rows under `on_bad_row: skip`, blank lines) and filtered (left out by
+    an option such as `min_score_gap`), by reason; and the columns seen."""
+
     read: int = 0
     used: int = 0
     skipped: Counter = field(default_factory=Counter)
+    filtered: Counter = field(default_factory=Counter)
+    columns: set = field(default_factory=set)
 
     def as_dict(self) -> dict[str, Any]:
-        return {"read": self.read, "used": self.used, "skipped": dict(self.skipped)}
+        return {"read": self.read, "used": self.used, "skipped": dict(self.skipped), "filtered": dict(self.filtered)}
+
+    def line(self) -> str:
+        return describe_rows(self.as_dict())
+
+
+def describe_rows(stats: dict[str, Any]) -> str:
+    """`4000 rows read, 3990 used, 10 skipped (blank line: 2; ...)` of a `RowStats.as_dict()`."""
+    parts = [f"{stats['read']} rows read, {stats['used']} used"]
+    for what in ("skipped", "filtered"):
+        counts = Counter(stats.get(what) or {})
+        if counts:
+            parts.append(f"{sum(counts.values())} {what} ({'; '.join(f'{reason}: {n}' for reason, n in counts.most_common())})")
+    return ", ".join(parts)
+
+
+def row_metrics(data_stats: dict[str, dict]) -> dict[str, float]:
+    """`data/train/read`, `.../used`, `.../skipped`, `.../filtered` of each file that was read."""
+    return {f"data/{part}/{what}": float(n if isinstance(n, int) else sum(n.values()))
+            for part, stats in data_stats.items() if stats.get("read")
+            for what, n in stats.items() if what in ("read", "used", "skipped", "filtered")}
 
 
 # --------------------------------------------------------------------------- reading rows
@@ -77,19 +102,34 @@ def read_rows(source: str, split: str = "train") -> Iterator[tuple[str, Any]]:
     suffix = Path(source.split("?")[0]).suffix
     if suffix in (".jsonl", ".json"):
         yield from _read_json(source, suffix)
-    elif suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        fs, path = storage.filesystem(source)
-        with fs.open(path, "rb") as f:
-            for i, row in enumerate(pq.read_table(f).to_pylist()):
-                yield f"{source}:row {i + 1}", row
+    elif suffix in (".parquet", ".csv"):
+        yield from _read_table(source, suffix)
     else:
         yield from _read_hf(source, split)
 
 
 class InvalidRow(str):
     """The text of a row that could not be parsed."""
+
+
+class BlankRow(InvalidRow):
+    """An empty line: always skipped, and counted."""
+
+
+def _read_table(source: str, suffix: str) -> Iterator[tuple[str, Any]]:
+    import pyarrow as pa
+    import pyarrow.csv as pcsv
+    import pyarrow.parquet as pq
+
+    fs, path = storage.filesystem(source)
+    with fs.open(path, "rb") as f:
+        try:
+            table = pq.read_table(f) if suffix == ".parquet" else pcsv.read_csv(f)
+        except (pa.ArrowInvalid, UnicodeDecodeError) as exc:
+            raise DataError(f"{source}: not a readable {suffix[1:]} file ({str(exc).splitlines()[0]})") from None
+    first = 2 if suffix == ".csv" else 1  # a CSV's first line is its header
+    for i, row in enumerate(table.to_pylist()):
+        yield (f"{source}:{i + first}" if suffix == ".csv" else f"{source}:row {i + 1}"), row
 
 
 def _read_json(source: str, suffix: str) -> Iterator[tuple[str, Any]]:
@@ -114,6 +154,7 @@ def _read_json(source: str, suffix: str) -> Iterator[tuple[str, Any]]:
                 yield f"{source}:{lineno}", InvalidRow(f"not UTF-8 text (byte {raw[exc.start]:#04x} at column {exc.start + 1})")
                 continue
             if not line.strip():
+                yield f"{source}:{lineno}", BlankRow("blank line")
                 continue
             try:
                 yield f"{source}:{lineno}", json.loads(line)
@@ -129,7 +170,12 @@ def _read_hf(source: str, split: str) -> Iterator[tuple[str, Any]]:
     elif Path(source).is_dir() and (Path(source) / "dataset_info.json").exists():
         ds = datasets.load_from_disk(source)
     else:
-        ds = datasets.load_dataset(source, split=split)
+        try:
+            ds = datasets.load_dataset(source, split=split)
+        except Exception as exc:  # noqa: BLE001 - datasets raises many kinds; each means "cannot be read here"
+            first = (str(exc).strip().splitlines() or [""])[0][:200]
+            raise DataError(f"{source}: cannot load this `datasets` dataset ({type(exc).__name__}: {first}); without the "
+                            "network a hub dataset must be a local file or already in the datasets cache") from None
     for i, row in enumerate(ds):
         yield f"{source}[{split}] row {i}", row
 
@@ -148,17 +194,58 @@ def encode(tokenizer, text: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def require_str(row: dict, key: str, where: str, allow_empty: bool = False) -> str:
-    if not isinstance(row, dict):
-        raise DataError(f"{where}: a row must be a JSON object, got {type(row).__name__}")
-    if key not in row:
-        raise DataError(f"{where}: missing key {key!r} (row has: {', '.join(sorted(row)) or 'no keys'})")
-    value = row[key]
+def require_str(row: dict, key: str, where: str, option: str, allow_empty: bool = False) -> str:
+    value = column(row, key, where, option)
     if not isinstance(value, str):
         raise DataError(f"{where}: {key!r} must be a string, got {type(value).__name__} {value!r}")
     if not allow_empty and not value.strip():
         raise DataError(f"{where}: {key!r} is empty")
     return value
+
+
+def prompt_value(row: dict, where: str, cfg, key: str, option: str, required: bool = True) -> str | Messages | None:
+    """A row's prompt: `input_template` filled from its columns, else the `key` column as text or
+    messages (None when `required` is false and the row has no such column)."""
+    if cfg.input_template:
+        return render_template(cfg.input_template, row, where, f"{option.rsplit('.', 1)[0]}.input_template")
+    if not required and isinstance(row, dict) and key not in row:
+        return None
+    return text_or_messages(column(row, key, where, option), cfg.format, where, key)
+
+
+def prompt_text(tokenizer, prompt: str | Messages, where: str) -> str:
+    """The prompt as the model sees it, ending where the response starts: a string as one user turn
+    (raw text with a template-less tokenizer), messages through the chat template."""
+    if isinstance(prompt, str):
+        return chat_prompt_text(tokenizer, prompt)
+    _need_chat_template(tokenizer, where)
+    return tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+
+
+def prompt_and_response(tokenizer, prompt: str | Messages, response: str | Messages, where: str, fmt: str,
+                        fields: tuple[str, str]) -> tuple[str, str]:
+    """(prompt text, response text) of a prompt and its response. Two strings: the prompt as a user turn
+    and the response plus EOS. Otherwise both as messages through the chat template, the response
+    being the final assistant turn(s) as the template renders them."""
+    if isinstance(prompt, str) and isinstance(response, str) and fmt in ("auto", "text"):
+        return chat_prompt_text(tokenizer, prompt), response + tokenizer.eos_token
+    asked, reply = conversation(prompt, response, fmt, where, fields)
+    return chat_texts(tokenizer, asked, reply, where)
+
+
+def chat_texts(tokenizer, prompt: Messages, response: Messages, where: str) -> tuple[str, str]:
+    """The rendered prompt (with the generation header) and what the template adds for the response."""
+    before = prompt_text(tokenizer, prompt, where)
+    after = tokenizer.apply_chat_template(prompt + response, tokenize=False)
+    if not after.startswith(before):
+        raise DataError(f"{where}: the chat template does not render the prompt as a prefix of the whole conversation")
+    return before, after[len(before):]
+
+
+def _need_chat_template(tokenizer, where: str) -> None:
+    if not tokenizer.chat_template:
+        raise DataError(f"{where}: conversational rows need a tokenizer with a chat template (this one has none); "
+                        "give text columns, or set data.format: text")
 
 
 def response_sample(prompt_ids: list[int], response_ids: list[int], max_len: int, where: str) -> Sample:
@@ -171,39 +258,75 @@ def response_sample(prompt_ids: list[int], response_ids: list[int], max_len: int
 
 
 def collect(rows: Iterator[tuple[str, Any]], build, on_bad_row: str, stats: RowStats, limit: int | None = None) -> list:
-    """Apply `build(where, row)` to each row; a DataError stops the run or is counted as a skip."""
+    """Apply `build(where, row)` to each row. A DataError stops the run or is counted as a skip; blank
+    lines are always counted as skipped and rows an option leaves out (FilteredRow) as filtered."""
     out = []
     for where, row in rows:
         stats.read += 1
+        if isinstance(row, dict) and len(stats.columns) < 1000:
+            stats.columns.update(row)
         try:
+            if isinstance(row, BlankRow):
+                stats.skipped[str(row)] += 1
+                continue
             if isinstance(row, InvalidRow):
                 raise DataError(f"{where}: {row}")
             out.append(build(where, row))
+        except FilteredRow as exc:
+            stats.filtered[_reason(exc)] += 1
         except DataError as exc:
             if on_bad_row == "error":
                 raise
-            stats.skipped[str(exc).split(": ", 1)[-1].split(" (")[0]] += 1
+            stats.skipped[_reason(exc)] += 1
         if limit is not None and len(out) >= limit:
             break
     stats.used = len(out)
     return out
 
 
-def load_rows(cfg, build, seed: int) -> tuple[list, list, dict]:
+def _reason(exc: DataError) -> str:
+    """An error's reason without its place or row values, so that counts add up by kind."""
+    return str(exc).split(": ", 1)[-1].split(" (")[0]
+
+
+def load_rows(cfg, build, seed: int, section: str = "data") -> tuple[list, list, dict]:
     """Train and held-out items of a `DataSource` config, built by `build(where, row)`, with row
-    statistics. Held out: the rows of `eval_path`, else `eval_fraction` of the training rows."""
+    statistics, reported on the console. Held out: the rows of `eval_path`, else `eval_fraction`
+    of the training rows that were not skipped."""
     stats = RowStats()
     items = collect(read_rows(cfg.path, cfg.split), build, cfg.on_bad_row, stats, cfg.max_samples)
+    report(cfg.path, stats, cfg, section)
     if not items:
-        raise DataError(f"{cfg.path}: no usable rows ({stats.read} read, skipped: {dict(stats.skipped) or 'none'})")
+        raise DataError(f"{cfg.path}: no usable rows ({stats.line()})")
+    check_skips(cfg.path, stats, cfg, section)
     eval_stats = RowStats()
     if cfg.eval_path:
         train, held = items, collect(read_rows(cfg.eval_path, cfg.split), build, cfg.on_bad_row, eval_stats)
+        report(cfg.eval_path, eval_stats, cfg, section)
+        check_skips(cfg.eval_path, eval_stats, cfg, section)
     else:
         train, held = split_holdout(items, cfg.eval_fraction, seed)
     if not train:
-        raise DataError(f"{cfg.path}: no training rows left after holding out eval_fraction={cfg.eval_fraction}")
+        raise DataError(f"{cfg.path}: no training rows left after holding out eval_fraction={cfg.eval_fraction} "
+                        f"of the {len(items)} usable rows ({stats.line()})")
     return train, held, {"train": stats.as_dict(), "eval": eval_stats.as_dict()}
+
+
+def report(source: str, stats: RowStats, cfg, section: str) -> None:
+    """The rows of one file on the console, and a warning for columns nothing reads."""
+    print(f"data {source}: {stats.line()}", flush=True)
+    used = cfg.used_columns()
+    unused = sorted(stats.columns - used) if used is not None else []
+    if unused:
+        print(f"warning: data {source}: column(s) {', '.join(map(repr, unused))} are not used by {section} (set "
+              f"{section}.input_template to use them in the prompt, or {section}.ignore_columns to silence this)", flush=True)
+
+
+def check_skips(source: str, stats: RowStats, cfg, section: str) -> None:
+    skipped = sum(stats.skipped.values())
+    if stats.read and skipped / stats.read > cfg.max_skip_fraction:
+        raise DataError(f"{source}: {skipped} of {stats.read} rows skipped ({skipped / stats.read:.1%}), more than "
+                        f"{section}.max_skip_fraction={cfg.max_skip_fraction} ({stats.line()}); fix the data or raise the limit")
 
 
 def split_holdout(items: list, fraction: float, seed: int) -> tuple[list, list]:

@@ -16,7 +16,9 @@ from dataclasses import dataclass
 import torch
 
 from alignflow.config.base import PreferenceDataConfig
-from alignflow.stages.common.data import DataError, Sample, chat_prompt_text, encode, load_rows, require_str, response_sample
+from alignflow.stages.common.data import (DataError, FilteredRow, Sample, chat_prompt_text, chat_texts, column, encode, load_rows,
+                                          prompt_value, response_sample, text_or_messages)
+from alignflow.stages.common.formats import conversation, shared_prompt
 from alignflow.stages.common.logprobs import sourced_logprobs
 
 
@@ -107,29 +109,65 @@ def token_scores(model, head: torch.nn.Module, input_ids: torch.Tensor, attentio
     return captured[0][..., 0].float()
 
 
-def pair_from_row(row: dict, where: str, tokenizer, cfg: PreferenceDataConfig) -> Pair:
-    prompt = require_str(row, cfg.prompt_key, where)
-    chosen = require_str(row, cfg.chosen_key, where)
-    rejected = require_str(row, cfg.rejected_key, where)
+def pair_from_row(row: dict, where: str, tokenizer, cfg: PreferenceDataConfig, section: str = "data") -> Pair:
+    """A pair from text columns (prompt, chosen, rejected) or from conversations: two whole ones with no
+    prompt column (UltraFeedback-binarized, HH-RLHF with `format: hh`), or a prompt and two answers."""
+    keys = (cfg.prompt_key, cfg.chosen_key, cfg.rejected_key)
+    chosen, rejected = (text_or_messages(column(row, k, where, f"{section}.{f}"), cfg.format, where, k, "assistant")
+                        for k, f in ((cfg.chosen_key, "chosen_key"), (cfg.rejected_key, "rejected_key")))
+    texts = isinstance(chosen, str) and isinstance(rejected, str)
+    if texts and not cfg.input_template and isinstance(row, dict) and cfg.prompt_key not in row:
+        column(row, cfg.prompt_key, where, f"{section}.prompt_key", f"; pairs of whole conversations need no prompt column, "
+               f"and {section}.format: hh reads Human:/Assistant: transcripts")
+    prompt = prompt_value(row, where, cfg, cfg.prompt_key, f"{section}.prompt_key", required=texts)
     if chosen == rejected:
-        raise DataError(f"{where}: {cfg.chosen_key!r} and {cfg.rejected_key!r} are the same response ({chosen!r}): nothing to prefer")
-    prompt_ids = encode(tokenizer, chat_prompt_text(tokenizer, prompt))
-    pair = Pair(response_sample(prompt_ids, encode(tokenizer, chosen + tokenizer.eos_token), cfg.max_len, where),
-                response_sample(prompt_ids, encode(tokenizer, rejected + tokenizer.eos_token), cfg.max_len, where),
-                _margin(row, where, cfg.margin_key) if cfg.margin_key else 0.0)
+        raise DataError(f"{where}: {cfg.chosen_key!r} and {cfg.rejected_key!r} are the same response ({str(chosen)[:60]!r}): nothing to prefer")
+    if texts and isinstance(prompt, str):
+        prompt_ids = encode(tokenizer, chat_prompt_text(tokenizer, prompt))
+        responses = [encode(tokenizer, r + tokenizer.eos_token) for r in (chosen, rejected)]
+    else:
+        prompt_ids, responses = _conversation_pair(prompt, chosen, rejected, where, tokenizer, cfg.format, keys)
+    pair = Pair(*(response_sample(prompt_ids, r, cfg.max_len, where) for r in responses), _margin(row, where, cfg, section))
     if pair.chosen.input_ids == pair.rejected.input_ids:
         raise DataError(f"{where}: chosen and rejected are identical after truncation to data.max_len={cfg.max_len}")
     return pair
 
 
-def _margin(row: dict, where: str, key: str) -> float:
-    if key not in row:
-        raise DataError(f"{where}: missing margin column {key!r}")
-    value = row[key]
+def _conversation_pair(prompt, chosen, rejected, where: str, tokenizer, fmt: str, keys: tuple[str, str, str]):
+    """Prompt ids and the two response ids of a conversational pair: the shared prompt is rendered once
+    and must be, token for token, the start of each whole conversation's tokens."""
+    sides = [conversation(prompt, answer, fmt, where, (keys[0], key)) for answer, key in ((chosen, keys[1]), (rejected, keys[2]))]
+    asked = shared_prompt(*sides, where, keys[1:])
+    prompt_ids, responses = None, []
+    for (_, reply), key in zip(sides, keys[1:]):
+        before, response = chat_texts(tokenizer, asked, reply, where)
+        prompt_ids = encode(tokenizer, before)
+        if encode(tokenizer, before + response)[:len(prompt_ids)] != prompt_ids:
+            raise DataError(f"{where}: the prompt's tokens are not the first tokens of the {key!r} conversation "
+                            "(the tokenizer merges across the turn boundary)")
+        responses.append(encode(tokenizer, response))
+    return prompt_ids, responses
+
+
+def _margin(row: dict, where: str, cfg: PreferenceDataConfig, section: str) -> float:
+    """The pair's margin: a margin column, or the difference of two score columns (then pairs whose
+    gap is under `min_score_gap` are filtered out); 0 without either."""
+    if cfg.margin_key:
+        return _number(row, where, cfg.margin_key, f"{section}.margin_key")
+    if not cfg.margin_from:
+        return 0.0
+    gap = _number(row, where, cfg.margin_from[0], f"{section}.margin_from") - _number(row, where, cfg.margin_from[1], f"{section}.margin_from")
+    if cfg.min_score_gap is not None and gap < cfg.min_score_gap:
+        raise FilteredRow(f"{where}: score gap under min_score_gap={cfg.min_score_gap}")
+    return gap
+
+
+def _number(row: dict, where: str, key: str, option: str) -> float:
+    value = column(row, key, where, option)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise DataError(f"{where}: {key!r} must be a finite number, got {type(value).__name__} {value!r}")
     return float(value)
 
 
-def load_pairs(cfg: PreferenceDataConfig, tokenizer, seed: int) -> tuple[list[Pair], list[Pair], dict]:
-    return load_rows(cfg, lambda where, row: pair_from_row(row, where, tokenizer, cfg), seed)
+def load_pairs(cfg: PreferenceDataConfig, tokenizer, seed: int, section: str = "data") -> tuple[list[Pair], list[Pair], dict]:
+    return load_rows(cfg, lambda where, row: pair_from_row(row, where, tokenizer, cfg, section), seed, section)

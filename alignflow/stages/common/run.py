@@ -16,7 +16,7 @@ from alignflow.config import ConfigError, PipelineConfig, dump_config
 from alignflow.infra import manifest, storage
 from alignflow.lineage import data_inputs, data_sources, input_digests, locate_inputs, stage_cache_key, stage_output_uri
 from alignflow.stages.common.checkpoint import Checkpointer, remove_staging, staging_dir
-from alignflow.stages.common.data import DataError, steps_per_epoch
+from alignflow.stages.common.data import DataError, describe_rows, row_metrics, steps_per_epoch
 from alignflow.stages.common.models import fetch_published_model, resolve_model_path
 from alignflow.stages.common.progress import MetricsLog, Timer
 from alignflow.stages.common.publish import metrics_json, model_card, publish
@@ -186,9 +186,11 @@ class TrainingRun:
         """HF model + config + metrics + curves + model card, manifest last; artifacts to MLflow.
         `final`: figures computed after training (they join the summary and MLflow)."""
         trainer, name = self.trainer, self.stage
-        if final:
-            self.tracking.log_metrics(self.total_steps, final)
-        summary = {**self.log.summary(), **(final or {}), **self.timings}
+        rows = {part: describe_rows(stats) for part, stats in data_stats.items() if stats.get("read")}
+        final = {**(final or {}), **row_metrics(data_stats)}
+        self.tracking.log_metrics(self.total_steps, final)
+        self.tracking.log_params({f"data.{part}.rows": line for part, line in rows.items()})
+        summary = {**self.log.summary(), **final, **self.timings}
         first = self.log.history[0] if self.log.history and self.log.history[0]["step"] == 0 else {}
         summary.update({f"{k}_initial": v for k, v in first.items() if k.startswith("eval/")})
         files: dict[str, str | bytes] = {}
@@ -199,7 +201,7 @@ class TrainingRun:
             files = {
                 "config.yaml": dump_config(self.cfg),
                 "metrics.json": metrics_json(self.log.history, summary, {"data": data_stats, "resumed_from_step": self.start_step or None}),
-                "MODEL_CARD.md": model_card(name, self.base_model_name, sources, self.section.config_hash(), self.key, summary),
+                "MODEL_CARD.md": model_card(name, self.base_model_name, sources, self.section.config_hash(), self.key, summary, rows),
                 "curves.png": plot.read_bytes(),
             }
         inputs = {**self.fingerprints, **{f"upstream:{n}": {"uri": u, "digest": self.input_digests[n]} for n, u in self.inputs.items()}}

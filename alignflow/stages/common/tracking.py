@@ -41,6 +41,17 @@ class StageTracking:
         if len(self._buffer) >= self.flush_every * 4:
             self.flush()
 
+    def log_params(self, params: dict[str, str]) -> None:
+        """Params of the stage's run (values cut to MLflow's limit); trouble is logged, never fatal."""
+        if not (self.client and params):
+            return
+        from mlflow.entities import Param
+
+        try:
+            self.client.log_batch(self.run_id, params=[Param(k, str(v)[:6000]) for k, v in params.items()])
+        except Exception as exc:
+            log.warning("could not send params to MLflow run %s: %s", self.run_id, exc)
+
     def flush(self) -> None:
         """Send buffered metrics. Tracking trouble (an MLflow outage) is logged, never fatal to training."""
         if not (self.client and self._buffer):

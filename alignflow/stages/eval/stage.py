@@ -117,11 +117,11 @@ def evaluate_model(section: EvalConfig, kind: StageKind, model_cfg: ModelConfig,
     if section.verifier or judge is not None:  # answers first: all_rows below leaves the model in train mode
         out.update(answer_metrics(section, generator(section, model, path, tokenizer), tokenizer, judge))
     if section.nll is not None:
-        samples = load_sft_samples(every_row(section.nll), tokenizer, section.seed)[0]
+        samples = load_sft_samples(every_row(section.nll), tokenizer, section.seed, "nll")[0]
         out["eval/nll"] = held_out_loss(strategy, SFTData([], samples, {}, False), section.micro_batch_size,
                                         tokenizer.pad_token_id)["eval/loss"]
     if section.pairs is not None:
-        pairs = load_pairs(every_row(section.pairs), tokenizer, section.seed)[0]
+        pairs = load_pairs(every_row(section.pairs), tokenizer, section.seed, "pairs")[0]
         out["eval/pairwise_accuracy"] = implicit_reward_accuracy(strategy, pairs, reference(), model_cfg, section, tokenizer.pad_token_id)
     return out
 
@@ -146,7 +146,7 @@ def generator(section: EvalConfig, model: torch.nn.Module, path: str, tokenizer)
 
 
 def answer_metrics(section: EvalConfig, generate: Generate, tokenizer, judge: RewardScorer | None) -> dict[str, float]:
-    rows = load_prompts(every_row(section.prompts), tokenizer, section.seed)[0]
+    rows = load_prompts(every_row(section.prompts), tokenizer, section.seed, "prompts")[0]
     ids, gen = [r.ids for r in rows], section.generation
     greedy = generate(ids, SamplingParams(gen.max_new_tokens, temperature=0, stop_token_ids=gen.stop_token_ids))
     out: dict[str, float] = {}
@@ -183,7 +183,7 @@ def reward_model_metrics(section: EvalConfig, path: str, model_cfg: ModelConfig,
     """An rm stage answers nothing and predicts no tokens: only its pairwise accuracy applies."""
     if section.pairs is None:
         return {}
-    pairs = load_pairs(every_row(section.pairs), tokenizer, section.seed)[0]
+    pairs = load_pairs(every_row(section.pairs), tokenizer, section.seed, "pairs")[0]
     model = strategy.prepare_frozen(load_reward_model(path, model_cfg, tokenizer.pad_token_id))
     score = lambda rows: dict(zip(("chosen", "rejected"), pair_rewards(  # noqa: E731
         strategy.engine, model.score, [pairs[i] for i in rows], tokenizer.pad_token_id, strategy.device)))

@@ -9,7 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from alignflow.stages.kto.config import KTODataConfig
-from alignflow.stages.common.data import DataError, Sample, chat_prompt_text, encode, load_rows, require_str, response_sample
+from alignflow.stages.common.data import (DataError, Sample, column, encode, load_rows, prompt_and_response, prompt_value,
+                                          response_sample, text_or_messages)
 
 
 @dataclass
@@ -30,18 +31,17 @@ class KTORow:
         return min(len(self.prompt_ids) + len(self.completion_ids), self.max_len)
 
 
-def kto_row(row: dict, where: str, tokenizer, cfg: KTODataConfig) -> KTORow:
-    prompt = require_str(row, cfg.prompt_key, where)
-    completion = require_str(row, cfg.completion_key, where)
-    if cfg.label_key not in row:
-        raise DataError(f"{where}: missing key {cfg.label_key!r} (row has: {', '.join(sorted(row))})")
-    label = row[cfg.label_key]
+def kto_row(row: dict, where: str, tokenizer, cfg: KTODataConfig, section: str = "data") -> KTORow:
+    prompt = prompt_value(row, where, cfg, cfg.prompt_key, f"{section}.prompt_key")
+    completion = text_or_messages(column(row, cfg.completion_key, where, f"{section}.completion_key"), cfg.format, where, cfg.completion_key, "assistant")
+    label = column(row, cfg.label_key, where, f"{section}.label_key")
     if not isinstance(label, bool):
         raise DataError(f"{where}: {cfg.label_key!r} must be a boolean (true = desirable), got {type(label).__name__} {label!r}")
-    prompt_ids = encode(tokenizer, chat_prompt_text(tokenizer, prompt))
+    prompt_text, completion_text = prompt_and_response(tokenizer, prompt, completion, where, cfg.format, (cfg.prompt_key, cfg.completion_key))
+    prompt_ids = encode(tokenizer, prompt_text)
     response_sample(prompt_ids, [], cfg.max_len, where)  # the prompt must leave room for a completion
-    return KTORow(prompt_ids, encode(tokenizer, completion + tokenizer.eos_token), label, cfg.max_len)
+    return KTORow(prompt_ids, encode(tokenizer, completion_text), label, cfg.max_len)
 
 
-def load_kto_rows(cfg: KTODataConfig, tokenizer, seed: int) -> tuple[list[KTORow], list[KTORow], dict]:
-    return load_rows(cfg, lambda where, row: kto_row(row, where, tokenizer, cfg), seed)
+def load_kto_rows(cfg: KTODataConfig, tokenizer, seed: int, section: str = "data") -> tuple[list[KTORow], list[KTORow], dict]:
+    return load_rows(cfg, lambda where, row: kto_row(row, where, tokenizer, cfg, section), seed, section)

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from alignflow.config.base import PromptDataConfig
-from alignflow.stages.common.data import DataError, chat_prompt_text, encode, load_rows, require_str
+from alignflow.stages.common.data import DataError, encode, load_rows, prompt_text, prompt_value
 
 
 @dataclass
@@ -17,16 +17,20 @@ class PromptRow:
     columns: dict[str, Any] = field(default_factory=dict)
 
 
-def prompt_row(row: dict, where: str, tokenizer, cfg: PromptDataConfig) -> PromptRow:
-    text = require_str(row, cfg.prompt_key, where)
-    ids = encode(tokenizer, chat_prompt_text(tokenizer, text))
+def prompt_row(row: dict, where: str, tokenizer, cfg: PromptDataConfig, section: str = "data") -> PromptRow:
+    """A prompt row; a conversational prompt reaches the reward function as its last user message."""
+    prompt = prompt_value(row, where, cfg, cfg.prompt_key, f"{section}.prompt_key")
+    if not isinstance(prompt, str) and prompt[-1]["role"] == "assistant":
+        raise DataError(f"{where}: {cfg.prompt_key!r} ends with an assistant turn: a prompt ends with the turn to answer")
+    ids = encode(tokenizer, prompt_text(tokenizer, prompt, where))
     if len(ids) >= cfg.max_len:
         raise DataError(f"{where}: prompt is {len(ids)} tokens, not shorter than data.max_len={cfg.max_len}")
+    text = prompt if isinstance(prompt, str) else next((m["content"] for m in reversed(prompt) if m["role"] == "user"), prompt[-1]["content"])
     return PromptRow(text, ids, {k: v for k, v in row.items() if k != cfg.prompt_key})
 
 
-def load_prompts(cfg: PromptDataConfig, tokenizer, seed: int) -> tuple[list[PromptRow], list[PromptRow], dict]:
-    return load_rows(cfg, lambda where, row: prompt_row(row, where, tokenizer, cfg), seed)
+def load_prompts(cfg: PromptDataConfig, tokenizer, seed: int, section: str = "data") -> tuple[list[PromptRow], list[PromptRow], dict]:
+    return load_rows(cfg, lambda where, row: prompt_row(row, where, tokenizer, cfg, section), seed, section)
 
 
 def columns_of(rows: list[PromptRow]) -> dict[str, list[Any]]:

@@ -63,7 +63,7 @@ def main(cfg: PipelineConfig, stage: str, output_uri: str | None = None, inputs:
     base = run.base_model()
     reward_model = reward_model_path(run, rl)
     tokenizer = load_tokenizer(base)
-    train, held, stats = load_prompts(rl.data, tokenizer, rl.batch.seed)  # bad data fails before any model work
+    train, held, stats = load_prompts(rl.data, tokenizer, rl.batch.seed, f"{stage}.data")  # bad data fails before any model work
     # Reward sources load before any worker starts, so a broken file fails fast.
     function = FunctionReward(rl.reward.function) if rl.reward.function else None
     environment = load_environment(rl.environment.path) if rl.environment else None

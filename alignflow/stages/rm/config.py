@@ -18,7 +18,7 @@ class RMConfig(TrainingSection):
 
     @model_validator(mode="after")
     def _margin_needs_sigmoid(self) -> "RMConfig":
-        if self.data.margin_key and self.loss != "sigmoid":
-            raise ValueError(f"data.margin_key={self.data.margin_key!r} needs loss: sigmoid, not {self.loss!r}")
+        if (self.data.margin_key or self.data.margin_from) and self.loss != "sigmoid":
+            raise ValueError(f"a margin (data.margin_key or data.margin_from) needs loss: sigmoid, not {self.loss!r}")
         return self
 

@@ -40,7 +40,7 @@ def main(cfg: PipelineConfig, stage: str, output_uri: str | None = None, inputs:
     rm = run.section
     base = run.base_model()
     tokenizer = load_tokenizer(base)
-    train, held, stats = load_pairs(rm.data, tokenizer, rm.batch.seed)  # bad data fails before any model work
+    train, held, stats = load_pairs(rm.data, tokenizer, rm.batch.seed, f"{stage}.data")  # bad data fails before any model work
     steps = total_steps(len(train), rm, "pairs")
 
     strategy = Strategy(rm.deepspeed, rm.batch, rm.optim)
@@ -64,7 +64,7 @@ def main(cfg: PipelineConfig, stage: str, output_uri: str | None = None, inputs:
 
 
 def margins(pairs: list[Pair], rm: RMConfig) -> torch.Tensor | None:
-    return torch.tensor([p.margin for p in pairs]) if rm.data.margin_key else None
+    return torch.tensor([p.margin for p in pairs]) if rm.data.margin_key or rm.data.margin_from else None
 
 
 def train_step(strategy: Strategy, train: list[Pair], step: int, rm: RMConfig, score) -> dict[str, float]:

@@ -1,30 +1,38 @@
-"""SFT rows -> samples: input/output keys, or a chat `messages` list.
+"""SFT rows -> samples: input/output columns (text or messages, or a prompt from `input_template`),
+or a chat `messages` list.
 
-Prompt tokens get loss_mask 0; response tokens (and the EOS that ends each
-response) get 1. With `messages`, every assistant turn is a response and every
-other turn is prompt. Segments are tokenized separately and concatenated, so a
-token boundary never straddles prompt and response.
+Prompt tokens get loss_mask 0; response tokens (and the EOS that ends each response) get 1. In
+the input/output form the response is the output column (its final assistant turn(s) when it is a
+conversation). With a `messages` column (`messages_key`, or a `messages` column found in a row that
+has no input column, as TRL detects it), every assistant turn is a response and every other turn
+is prompt. Segments are tokenized separately and concatenated, so a token boundary never straddles
+prompt and response.
 """
 
 from __future__ import annotations
 
 from alignflow.stages.sft.config import DataConfig
-from alignflow.stages.common.data import DataError, Sample, chat_prompt_text, encode, load_rows, require_str
+from alignflow.stages.common.data import (DataError, Sample, column, encode, is_messages, load_rows, prompt_and_response,
+                                          prompt_value, text_or_messages)
+
+AUTO_MESSAGES_KEY = "messages"
 
 
-def input_output_sample(row: dict, where: str, tokenizer, cfg: DataConfig) -> Sample:
-    prompt = require_str(row, cfg.input_key, where)
-    response = require_str(row, cfg.output_key, where)
-    segments = [(chat_prompt_text(tokenizer, prompt), 0), (response + tokenizer.eos_token, 1)]
-    return _sample(segments, where, tokenizer, cfg.max_len)
+def input_output_sample(row: dict, where: str, tokenizer, cfg: DataConfig, section: str = "data") -> Sample:
+    if (cfg.format != "text" and not cfg.input_template and isinstance(row, dict) and cfg.input_key not in row
+            and is_messages(row.get(AUTO_MESSAGES_KEY))):
+        return messages_sample(row, where, tokenizer, cfg, section, AUTO_MESSAGES_KEY)
+    prompt = prompt_value(row, where, cfg, cfg.input_key, f"{section}.input_key")
+    response = text_or_messages(column(row, cfg.output_key, where, f"{section}.output_key"), cfg.format, where, cfg.output_key, "assistant")
+    segments = zip(prompt_and_response(tokenizer, prompt, response, where, cfg.format, (cfg.input_key, cfg.output_key)), (0, 1))
+    return _sample(list(segments), where, tokenizer, cfg.max_len)
 
 
-def messages_sample(row: dict, where: str, tokenizer, cfg: DataConfig) -> Sample:
-    if not isinstance(row, dict) or cfg.messages_key not in row:
-        raise DataError(f"{where}: missing key {cfg.messages_key!r}")
-    messages = row[cfg.messages_key]
+def messages_sample(row: dict, where: str, tokenizer, cfg: DataConfig, section: str = "data", key: str | None = None) -> Sample:
+    key = key or cfg.messages_key
+    messages = column(row, key, where, f"{section}.messages_key")
     if not isinstance(messages, list) or not all(isinstance(m, dict) and isinstance(m.get("content"), str) and "role" in m for m in messages):
-        raise DataError(f"{where}: {cfg.messages_key!r} must be a list of {{role, content}} objects")
+        raise DataError(f"{where}: {key!r} must be a list of {{role, content}} objects")
     if not tokenizer.chat_template:
         raise DataError(f"{where}: `messages` rows need a tokenizer with a chat template")
     turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
@@ -54,7 +62,7 @@ def _sample(segments: list[tuple[str, int]], where: str, tokenizer, max_len: int
     return Sample(ids[:max_len], mask[:max_len])  # truncation cuts the response, never the prompt
 
 
-def load_sft_samples(cfg: DataConfig, tokenizer, seed: int) -> tuple[list[Sample], list[Sample], dict]:
+def load_sft_samples(cfg: DataConfig, tokenizer, seed: int, section: str = "data") -> tuple[list[Sample], list[Sample], dict]:
     """Train and held-out samples, with row statistics. An empty train set is an error."""
     build = messages_sample if cfg.messages_key else input_output_sample
-    return load_rows(cfg, lambda where, row: build(row, where, tokenizer, cfg), seed)
+    return load_rows(cfg, lambda where, row: build(row, where, tokenizer, cfg, section), seed, section)
