@@ -147,16 +147,16 @@ def write_examples(used: set[str]) -> None:
         return (low + 0.25 if i % 20 == 19 else round(low + rng.uniform(1.0, 2.0), 2)), low
 
     uf = []
-    for i, (p, r) in enumerate(take(600)):
+    for i, (p, r) in enumerate(take(1000)):
         wrong, (good, bad) = visibly_wrong_answer(p, r, rng), scores(i)
         uf.append({"prompt": p, "prompt_id": f"{i:04d}", "chosen": [user(p), bot(r)], "rejected": [user(p), bot(wrong)],
                    "messages": [user(p), bot(r)], "score_chosen": good, "score_rejected": bad})
     write("examples/ultrafeedback_binarized.jsonl", uf)
 
-    hh, rows = [], take(600)
+    hh, rows = [], take(1000)
     for i, (p, r) in enumerate(rows):
         wrong = visibly_wrong_answer(p, r, rng)
-        before = f"\n\nHuman: {rows[i - 1][0]}\n\nAssistant: {rows[i - 1][1]}" if i % 4 == 3 else ""  # every 4th: two turns
+        before = f"\n\nHuman: {rows[i - 1][0]}\n\nAssistant: {rows[i - 1][1]}" if i % 10 == 9 else ""  # every 10th: two turns
         hh.append({"chosen": f"{before}\n\nHuman: {p}\n\nAssistant: {r}", "rejected": f"{before}\n\nHuman: {p}\n\nAssistant: {wrong}"})
     write("examples/hh_rlhf.jsonl", hh)
 

@@ -22,6 +22,13 @@ from alignflow.config.graph import PipelineConfig, StageKind
 from alignflow.stages.common.formats import closest
 
 SETTINGS = ("name", "storage", "ray", "tracking", "register")
+# Keys that TRL or OpenRLHF users write, and what does their job here.
+OTHER_TOOLS_KEYS = {
+    "apply_chat_template": "in alignflow conversations are detected by themselves, and `format: chat` renders text columns as chat turns",
+    "dataset_text_field": "set input_key and output_key (or messages_key) to the columns",
+    "prompt_template": "set input_template",
+    "learning_rate": "did you mean 'lr'?",
+}
 RETIRED = {
     "pipeline": "stages are now a graph in the config: one key per stage with `from:` edges (README: writing graphs)",
     "stop_after": "use `alignflow run --until STAGE`",
@@ -176,7 +183,8 @@ def format_validation_error(exc: ValidationError, source: str, lines: dict[tuple
         msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
             valid = _valid_keys(tuple(str(p) for p in err["loc"]))
-            msg = f"unknown key{closest(loc[-1], valid)}" if closest(loc[-1], valid) else f"unknown key (valid here: {', '.join(valid)})"
+            hint = f"; {OTHER_TOOLS_KEYS[loc[-1]]}" if loc[-1] in OTHER_TOOLS_KEYS else closest(loc[-1], valid)
+            msg = f"unknown key{hint}" if hint else f"unknown key (valid here: {', '.join(valid)})"
         msgs.append(f"{where}: {field}: {msg}{shown}" if graph_loc is None else f"{where}: {loc[0]}: {msg}")
     return "invalid config:\n  " + "\n  ".join(msgs)
 
