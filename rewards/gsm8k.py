@@ -1,22 +1,26 @@
-"""Reward for GSM8K-shaped rows: 1.0 when the completion's final number is the answer's, else 0.0.
+"""Reward for GSM8K-style math word problems: 1.0 when the completion's final number equals the
+reference answer's, else 0.0 (configs/7b-grpo.yaml).
 
-GSM8K answers end in `#### <number>`; a completion is read the same way when it has `####`, else
-its last number counts. Commas in numbers are ignored (`1,000` is 1000).
-Config: `rl.reward.function: rewards/gsm8k.py:final_answer` with the `answer` column in the prompt rows.
+Config: `rl.reward.function: rewards/gsm8k.py:final_number`. The prompt rows carry GSM8K's
+`answer` column: a worked solution ending in `#### <number>` (a bare number works too). The
+completion's number is the first after its own last `####` if it writes one, else its last number.
 """
 
 import re
 
-NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 
 
-def final_number(text: str) -> str | None:
-    text = text.replace(",", "")
-    tail = text.rsplit("####", 1)[1] if "####" in text else text
+def answer_number(text: str) -> float | None:
+    """The first number after the last `####`, else the last number of the text; commas dropped."""
+    _, mark, tail = text.rpartition("####")  # without one, tail is the whole text
     found = NUMBER.findall(tail)
-    return (found[0] if "####" in text else found[-1]) if found else None
+    return float(found[0 if mark else -1].replace(",", "")) if found else None
 
 
-def final_answer(prompts, completions, prompt_ids, completion_ids, answer, **columns):
-    return [1.0 if (got := final_number(c)) is not None and got == final_number(truth) else 0.0
-            for c, truth in zip(completions, answer)]
+def final_number(prompts, completions, prompt_ids, completion_ids, answer, **columns):
+    rewards = []
+    for completion, truth in zip(completions, answer):
+        got, want = answer_number(completion), answer_number(str(truth))
+        rewards.append(1.0 if got is not None and want is not None and abs(got - want) < 1e-6 else 0.0)
+    return rewards

@@ -82,7 +82,7 @@ def test_error_for_unknown_field_and_bad_choice(tmp_path):
         load_config(path)
     msg = str(err.value)
     assert f"{path}:10: sft.deepspeed.zero_stage" in msg and "0, 1, 2 or 3" in msg and "(got 4)" in msg
-    assert f"{path}:11: sft.deepspeed.zero_stag: Extra inputs are not permitted" in msg
+    assert f"{path}:11: sft.deepspeed.zero_stag: unknown key; did you mean 'zero_stage'? (got 3)" in msg
 
 
 def test_error_from_override_names_the_override(tmp_path):

@@ -243,14 +243,3 @@ def test_each_example_config_reads_its_public_shape_with_no_row_lost(name, token
         train, held, stats = loaders[section.kind](section.data, tokenizer, 0, f"{stage}.data")
         assert stats["train"]["skipped"] == {} and len(train) > 40 and held, (stage, stats)
     assert "warning" not in capsys.readouterr().out
-
-
-def test_gsm8k_reward_reads_the_final_number():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("gsm8k", ROOT / "rewards" / "gsm8k.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    truth = "19 + 87 = 106\n#### 106"
-    got = module.final_answer(["q"] * 4, ["19 + 87 = 106\n#### 106", "so 1,000 - 894 = 106.", "106 then 7", "#### 105"], None, None, [truth] * 4)
-    assert got == [1.0, 1.0, 0.0, 0.0]
