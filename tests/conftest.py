@@ -86,3 +86,13 @@ def s3_server():
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+@pytest.fixture(scope="session")
+def dead_holder() -> str:
+    """The `process_holder` of a process that has exited: what a run killed with SIGKILL leaves behind."""
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-c", "from alignflow.infra.lease import process_holder; print(process_holder('x'))"],
+                          capture_output=True, text=True, check=True).stdout.strip()

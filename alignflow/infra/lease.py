@@ -15,13 +15,15 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import threading
 import time
 import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Iterator
+from pathlib import Path
+from typing import Iterable, Iterator
 
 from alignflow.infra import storage
 
@@ -119,6 +121,34 @@ def acquire(stage_uri: str, timeout_s: float, wait: bool, on_wait=lambda holder:
             on_wait(current.get("holder"))
             told = True
         time.sleep(poll_s)
+
+
+OWNER_FILE = ".owner"  # in a folder owned by a process: its `process_holder`
+
+
+def claim(folder: Path, tag: str) -> None:
+    """Mark `folder` as this process's, so that a later run can tell when it is abandoned."""
+    (folder / OWNER_FILE).write_text(process_holder(tag))
+
+
+def owner_gone(folder: Path) -> bool:
+    """True when the folder's owner process is gone, or it has no (readable) owner."""
+    try:
+        return holder_gone((folder / OWNER_FILE).read_text())
+    except OSError:
+        return True
+
+
+def sweep_abandoned(folders: Iterable[Path], unowned_after_s: float | None = None) -> None:
+    """Remove the folders whose owner is gone (a run killed with SIGKILL cannot remove its own). A folder
+    with no owner file is being made: it is abandoned only once older than `unowned_after_s` (never if None)."""
+    for folder in folders:
+        if (folder / OWNER_FILE).exists():
+            gone = owner_gone(folder)
+        else:
+            gone = unowned_after_s is not None and folder.is_dir() and time.time() - folder.stat().st_mtime > unowned_after_s
+        if gone:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def holder_gone(holder: str) -> bool:

@@ -75,16 +75,16 @@ def read_manifest(root_uri: str, name: str = STAGE_MANIFEST) -> Manifest | None:
     return Manifest(uri=root_uri, files=files, meta=data)
 
 
-def verify(root_uri: str, name: str = STAGE_MANIFEST, check_hashes: bool = True) -> Manifest | None:
-    """The manifest if it exists and every listed file has its size (and sha256); else None, with a
+def verify(root_uri: str, name: str = STAGE_MANIFEST) -> Manifest | None:
+    """The manifest if it exists and every listed file has its size and sha256; else None, with a
     warning naming the file."""
-    found, problem = check(root_uri, name, check_hashes)
+    found, problem = check(root_uri, name)
     if problem:
         log.warning("%s", problem)
     return found
 
 
-def check(root_uri: str, name: str = STAGE_MANIFEST, check_hashes: bool = True) -> tuple[Manifest | None, str | None]:
+def check(root_uri: str, name: str = STAGE_MANIFEST) -> tuple[Manifest | None, str | None]:
     """(the manifest if it verifies, else None; what is wrong, if anything). No manifest is no problem.
 
     Every file is hashed the first time, and again whenever the store's stamp of it (size, mtime, ctime and
@@ -97,13 +97,13 @@ def check(root_uri: str, name: str = STAGE_MANIFEST, check_hashes: bool = True) 
     if manifest is None:
         return None, None
     stats = storage.walk_stats(root_uri)
-    record = _verified(root_uri, name) if check_hashes else {}
+    record = _verified(root_uri, name)
     fresh = {}
     for rel, info in manifest.files.items():
         size, stamp = stats.get(rel, (None, None))
         if size != info["size"]:
             return None, f"manifest at {root_uri}: {rel} is missing or has the wrong size"
-        if not check_hashes or (stamp is not None and record.get(rel) == [size, stamp, info["sha256"]]):
+        if stamp is not None and record.get(rel) == [size, stamp, info["sha256"]]:
             continue
         if storage.sha256_of(storage.join(root_uri, rel)) != info["sha256"]:
             return None, f"manifest at {root_uri}: {rel} does not match its sha256 (changed after it was published)"

@@ -21,12 +21,11 @@ import os
 import re
 import shutil
 import tempfile
-import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-from alignflow.infra.lease import holder_gone, process_holder
+from alignflow.infra.lease import claim, sweep_abandoned
 
 SECRETS_FILE_ENV = "ALIGNFLOW_SECRETS_FILE"
 SECRET_NAMES_ENV = "ALIGNFLOW_SECRET_NAMES"
@@ -64,10 +63,11 @@ def job_env(env: dict[str, str], local: bool) -> Iterator[dict[str, str]]:
     if not local:
         yield {**plain, SECRET_NAMES_ENV: ",".join(sorted(secret))}
         return
-    _sweep()
+    # Credentials folders of runs that are gone; one with no owner yet is being made, abandoned only when old.
+    sweep_abandoned(Path(tempfile.gettempdir()).glob(f"{FOLDER_PREFIX}*"), unowned_after_s=600)
     folder = Path(tempfile.mkdtemp(prefix=FOLDER_PREFIX))  # 0700 by mkdtemp
     try:
-        (folder / "owner").write_text(process_holder("secrets"))
+        claim(folder, "secrets")
         path = folder / "env.json"
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as f:
@@ -75,17 +75,6 @@ def job_env(env: dict[str, str], local: bool) -> Iterator[dict[str, str]]:
         yield {**plain, SECRETS_FILE_ENV: str(path)}
     finally:
         shutil.rmtree(folder, ignore_errors=True)
-
-
-def _sweep() -> None:
-    """Remove the credentials folders of runs that are gone (a run killed with SIGKILL cannot remove its own)."""
-    for folder in Path(tempfile.gettempdir()).glob(f"{FOLDER_PREFIX}*"):
-        try:
-            gone = holder_gone((folder / "owner").read_text())
-        except OSError:  # no owner yet (being made) or unreadable: only an old one is abandoned
-            gone = time.time() - folder.stat().st_mtime > 600
-        if gone:
-            shutil.rmtree(folder, ignore_errors=True)
 
 
 def load_job_secrets() -> None:

@@ -189,12 +189,7 @@ def remove(uri: str) -> None:
 
 def walk_files(uri: str) -> dict[str, int]:
     """Relative path -> size for every file under `uri`."""
-    fs, path = filesystem(uri)
-    root = path.rstrip("/")
-    out = {}
-    for name, info in fs.find(root, detail=True).items():
-        out[name[len(root) + 1:]] = int(info["size"])
-    return out
+    return {rel: size for rel, (size, _) in walk_stats(uri).items()}
 
 
 def walk_stats(uri: str) -> dict[str, tuple[int, str | None]]:

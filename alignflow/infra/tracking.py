@@ -45,10 +45,14 @@ def tracking_uri(settings: TrackingSettings) -> str:
     return f"sqlite:///{folder.resolve()}/mlflow.db"
 
 
+_SET_UP: set[str] = set()  # sqlite stores this process has seen set up
+
+
 @contextlib.contextmanager
 def _first_setup_lock(uri: str):
-    """An exclusive lock beside a sqlite store while MLflow creates or upgrades it and the experiment is made."""
-    if not uri.startswith("sqlite:///"):
+    """An exclusive lock beside a sqlite store while MLflow creates or upgrades it and the experiment is made;
+    once per store and process (every stage task makes a Tracker: they need not queue on the lock again)."""
+    if not uri.startswith("sqlite:///") or uri in _SET_UP:
         yield
         return
     import fcntl
@@ -62,6 +66,7 @@ def _first_setup_lock(uri: str):
 
             MlflowClient(uri).search_experiments(max_results=1)  # creates the schema, under the lock
             yield
+            _SET_UP.add(uri)
         finally:
             fcntl.flock(f, fcntl.LOCK_UN)
 
@@ -211,3 +216,4 @@ class Tracker:
     def tag_version(self, name: str, version: str, tags: dict[str, str]) -> None:
         for key, value in tags.items():
             self.client.set_model_version_tag(name, version, key, value)
+

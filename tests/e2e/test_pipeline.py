@@ -32,6 +32,10 @@ def test_run_then_rerun_is_fully_cached(services, tmp_path):
     (sft,) = summary["stages"]
     assert not sft["cached"] and sft["ray_job_id"] in set(ray_jobs(services)) - set(jobs_before)
     assert sft["uri"].startswith(f"{root}/sft/")
+    rows = {k: v for k, v in sft["metrics"].items() if k.startswith("data/train/")}  # row accounting reaches the summary
+    assert rows["data/train/read"] == rows["data/train/used"] > 0 and rows["data/train/skipped"] == 0, rows
+    n = f"{rows['data/train/read']:.0f}"
+    assert f"{n} rows read, {n} used" in " ".join((first.stdout + first.stderr).split())  # the job's console line, in Prefect's log
 
     client = MlflowClient(services["mlflow"])
     parent = client.get_run(summary["mlflow"]["parent_run_id"])
@@ -40,6 +44,8 @@ def test_run_then_rerun_is_fully_cached(services, tmp_path):
     assert child.data.tags["alignflow.stage"] == "sft" and child.data.tags["ray.job_id"] == sft["ray_job_id"]
     assert child.data.tags["alignflow.cache_key"] == sft["cache_key"]
     assert len(client.get_metric_history(child.info.run_id, "loss")) == 30
+    assert child.data.metrics["data_train_read"] == rows["data/train/read"]
+    assert child.data.params["data.train.rows"] == f"{rows['data/train/read']:.0f} rows read, {rows['data/train/used']:.0f} used"
     artifacts = {a.path for a in client.list_artifacts(child.info.run_id)}
     assert {"config.yaml", "MANIFEST.json", "MODEL_CARD.md", "curves.png", "metrics.json"} <= artifacts
     everything = json.dumps([parent.data.params, parent.data.tags, child.data.params, child.data.tags])
@@ -68,6 +74,7 @@ def test_run_then_rerun_is_fully_cached(services, tmp_path):
     assert second.returncode == 0, second.stdout[-3000:]
     again = json.loads((tmp_path / "2.json").read_text())
     assert [s["cached"] for s in again["stages"]] == [True]
+    assert {k: v for k, v in again["stages"][0]["metrics"].items() if k.startswith("data/train/")} == rows
     assert ray_jobs(services) == jobs_mid  # no Ray job submitted
     hit = client.get_run(again["stages"][0]["mlflow_run_id"])
     assert hit.data.tags["alignflow.cache_hit"] == "true" and hit.data.tags["alignflow.source_run_id"] == child.info.run_id
@@ -105,10 +112,9 @@ def leftover_credentials() -> list:
     """Credentials folders whose process is gone (a live run elsewhere on this machine may hold its own)."""
     from pathlib import Path
 
-    from alignflow.infra.lease import holder_gone
+    from alignflow.infra.lease import owner_gone
 
-    folders = Path(tempfile.gettempdir()).glob("alignflow-secrets-*")
-    return [f for f in folders if not (f / "owner").exists() or holder_gone((f / "owner").read_text())]
+    return [f for f in Path(tempfile.gettempdir()).glob("alignflow-secrets-*") if owner_gone(f)]
 
 
 def assert_no_credentials_leaked(services, roots: list[str], console: str) -> None:

@@ -1,5 +1,3 @@
-import subprocess
-import sys
 import threading
 import time
 
@@ -20,10 +18,8 @@ def test_one_holder_at_a_time_and_the_second_waits_for_the_first(tmp_path):
     assert not (tmp_path / "sft" / "k" / lease.LEASE_FILE).exists()
 
 
-def test_a_dead_holders_lease_is_taken_over_at_once(tmp_path):
-    dead = subprocess.run([sys.executable, "-c", "from alignflow.infra.lease import process_holder; print(process_holder('x'))"],
-                          capture_output=True, text=True, check=True).stdout.strip()
-    held = lease.Lease(str(tmp_path / lease.LEASE_FILE), 600, holder=dead)
+def test_a_dead_holders_lease_is_taken_over_at_once(tmp_path, dead_holder):
+    held = lease.Lease(str(tmp_path / lease.LEASE_FILE), 600, holder=dead_holder)
     held.renew(every_s=0)
     start = time.monotonic()
     taken = lease.acquire(str(tmp_path), timeout_s=600, wait=True, poll_s=0.1)

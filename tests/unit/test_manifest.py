@@ -27,9 +27,11 @@ def test_corrupt_or_missing_file_fails_verification(tmp_path, caplog):
     manifest.write_manifest(str(root), exclude=("checkpoints/",))
     (root / "model" / "w.bin").write_bytes(b"\x01" * 100)  # same size, other bytes
     assert manifest.verify(str(root)) is None
-    assert manifest.verify(str(root), check_hashes=False) is not None
+    assert "model/w.bin does not match its sha256" in caplog.text
+    (root / "model" / "w.bin").write_bytes(b"\x00" * 100)
+    assert manifest.verify(str(root)) is not None
     (root / "config.yaml").unlink()
-    assert manifest.verify(str(root), check_hashes=False) is None
+    assert manifest.verify(str(root)) is None
     assert "config.yaml is missing" in caplog.text
 
 

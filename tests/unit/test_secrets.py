@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 
 from alignflow.infra import secrets
+from alignflow.infra.lease import OWNER_FILE
 
 
 def test_credentials_are_told_from_settings():
@@ -46,18 +47,14 @@ def test_without_credentials_nothing_is_written():
         assert env == {"HF_HOME": "/h"}
 
 
-def test_a_killed_runs_credentials_folder_is_removed_by_the_next_run(tmp_path, monkeypatch):
-    import subprocess
-    import sys
+def test_a_killed_runs_credentials_folder_is_removed_by_the_next_run(tmp_path, monkeypatch, dead_holder):
     import tempfile
 
     monkeypatch.setenv("TMPDIR", str(tmp_path))
     monkeypatch.setattr(tempfile, "tempdir", None)
-    dead = subprocess.run([sys.executable, "-c", "from alignflow.infra.lease import process_holder; print(process_holder('x'))"],
-                          capture_output=True, text=True, check=True).stdout.strip()
     left = tmp_path / f"{secrets.FOLDER_PREFIX}killed"
     left.mkdir()
-    (left / "owner").write_text(dead)
+    (left / OWNER_FILE).write_text(dead_holder)
     (left / "env.json").write_text('{"AWS_SECRET_ACCESS_KEY": "s"}')
     with secrets.job_env({"AWS_SECRET_ACCESS_KEY": "s"}, local=True) as env:
         assert not left.exists() and Path(env[secrets.SECRETS_FILE_ENV]).exists()

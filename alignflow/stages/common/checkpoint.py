@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from alignflow.infra import manifest, storage
-from alignflow.infra.lease import holder_gone, process_holder
+from alignflow.infra.lease import claim, owner_gone, sweep_abandoned
 from alignflow.stages.common.strategy import Strategy
 
 log = logging.getLogger(__name__)
@@ -144,30 +144,13 @@ def staging_dir(key: str, stage_uri: str) -> Path:
     two storage roots never share one), owned by the process that made it. Folders whose owner is gone
     (a crashed run's) are swept first; the run removes its own when it has published (`remove_staging`)."""
     base = Path(tempfile.gettempdir()) / "alignflow-staging"
-    _sweep(base)
+    sweep_abandoned(base.glob("*") if base.is_dir() else [])
     path = base / f"{key}-{hashlib.sha256(stage_uri.encode()).hexdigest()[:8]}"
     path.mkdir(parents=True, exist_ok=True)
-    owner = path / OWNER_FILE
-    if _owner_gone(owner):
-        owner.write_text(process_holder("staging"))
+    if owner_gone(path):
+        claim(path, "staging")
     return path
 
 
 def remove_staging(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
-
-
-OWNER_FILE = ".owner"
-
-
-def _owner_gone(owner: Path) -> bool:
-    try:
-        return holder_gone(owner.read_text())
-    except OSError:
-        return True
-
-
-def _sweep(base: Path) -> None:
-    for folder in base.glob("*") if base.is_dir() else []:
-        if (folder / OWNER_FILE).exists() and _owner_gone(folder / OWNER_FILE):
-            remove_staging(folder)
