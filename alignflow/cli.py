@@ -20,6 +20,19 @@ app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_
 config_app = typer.Typer(no_args_is_help=True, help="Inspect configs.")
 app.add_typer(config_app, name="config")
 
+def _version(value: bool) -> None:
+    if value:
+        from alignflow import __version__
+
+        typer.echo(f"alignflow {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def main(version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True, help="print the version and exit")] = False) -> None:
+    """alignflow: end-to-end LLM alignment pipelines."""
+
+
 ConfigOpt = Annotated[Path, typer.Option("--config", "-c", help="pipeline config YAML")]
 SetOpt = Annotated[Optional[list[str]], typer.Option("--set", help="override KEY=VALUE, e.g. sft.optim.lr=1e-4")]
 

@@ -209,7 +209,7 @@ def alignment(config: str = "configs/tiny.yaml", overrides: list[str] | None = N
             raise RuntimeError(f"stages failed: {names}{skipped}; re-run to resume them from their checkpoints\n{details}")
         results = {n: scheduler.results[n] for n in stages}
         registered = register(cfg, tracker, parent, results)
-        tracker.log_metrics(parent, {f"{n}/{k}".replace("@", "_at_"): v for n, r in results.items()  # MLflow refuses `@`
+        tracker.log_metrics(parent, {f"{n}/{k}": v for n, r in results.items()
                                      for k, v in r.metrics.items() if k.startswith("eval/") or r.kind == "eval"})
         tracker.finish(parent, ok=True)
     except BaseException:

@@ -18,6 +18,12 @@ from typing import Any
 from alignflow.infra import storage
 
 RUN_ID_ENV = "ALIGNFLOW_MLFLOW_RUN_ID"
+
+
+def metric_name(key: str) -> str:
+    """A metric's MLflow name: ours as written everywhere (`eval/reward`; MLflow groups charts by the part
+    before `/`), with `@`, which MLflow refuses, spelled `_at_` (`eval/pass@4` -> `eval/pass_at_4`)."""
+    return key.replace("@", "_at_")
 PARAM_LIMIT = 6000
 STAGE_URI_TAG = "alignflow.stage_uri"  # the published stage folder a registered version came from
 LINEAGE_TAG = "alignflow.lineage_digest"
@@ -144,7 +150,7 @@ class Tracker:
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        batch = [Metric(k, float(v), now, step) for k, v in metrics.items()]
+        batch = [Metric(metric_name(k), float(v), now, step) for k, v in metrics.items()]
         for i in range(0, len(batch), 500):
             self.client.log_batch(run_id, metrics=batch[i:i + 500])
 

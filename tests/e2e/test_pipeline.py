@@ -44,7 +44,8 @@ def test_run_then_rerun_is_fully_cached(services, tmp_path):
     assert child.data.tags["alignflow.stage"] == "sft" and child.data.tags["ray.job_id"] == sft["ray_job_id"]
     assert child.data.tags["alignflow.cache_key"] == sft["cache_key"]
     assert len(client.get_metric_history(child.info.run_id, "loss")) == 30
-    assert child.data.metrics["data_train_read"] == rows["data/train/read"]
+    assert child.data.metrics["data/train/read"] == rows["data/train/read"]  # one naming scheme: `/` as everywhere else
+    assert "eval/loss" in child.data.metrics and "eval_loss" not in child.data.metrics
     assert child.data.params["data.train.rows"] == f"{rows['data/train/read']:.0f} rows read, {rows['data/train/used']:.0f} used"
     artifacts = {a.path for a in client.list_artifacts(child.info.run_id)}
     assert {"config.yaml", "MANIFEST.json", "MODEL_CARD.md", "curves.png", "metrics.json"} <= artifacts

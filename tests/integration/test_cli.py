@@ -49,3 +49,10 @@ def test_too_many_skipped_rows_exit_2_with_the_counts(tmp_path):
     assert (f"{data}: 80 of 120 rows skipped (66.7%), more than sft.data.max_skip_fraction=0.05 (120 rows read, 40 used, "
             "80 skipped (missing key 'response': 40; blank line: 40))") in proc.stderr
     assert not (tmp_path / "sft").exists()
+
+
+def test_version():
+    from alignflow import __version__
+
+    proc = run("--version")
+    assert proc.returncode == 0 and proc.stdout.strip() == f"alignflow {__version__}"

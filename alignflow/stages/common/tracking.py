@@ -11,7 +11,7 @@ import os
 import time
 from pathlib import Path
 
-from alignflow.infra.tracking import RUN_ID_ENV  # set by the stage task
+from alignflow.infra.tracking import RUN_ID_ENV, metric_name  # RUN_ID_ENV: set by the stage task
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ class StageTracking:
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        self._buffer += [Metric(k.replace("/", "_"), float(v), now, step) for k, v in metrics.items()]
+        self._buffer += [Metric(metric_name(k), float(v), now, step) for k, v in metrics.items()]
         if len(self._buffer) >= self.flush_every * 4:
             self.flush()
 

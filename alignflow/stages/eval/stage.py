@@ -215,7 +215,7 @@ def publish_table(cfg: PipelineConfig, stage: str, key: str, out: str, table: di
     }
     meta = {"stage": stage, "cache_key": key, "config_hash": cfg.section(stage).config_hash(), "inputs": inputs,
             "metrics": summary, "mlflow_run_id": tracking.run_id}
-    tracking.log_metrics(0, {k.replace("@", "_at_"): v for k, v in summary.items()})  # MLflow refuses `@` in a name
+    tracking.log_metrics(0, summary)
     finish_publish(out, local, files, meta)
     tracking.log_artifacts([local / f for f in (*files, manifest.STAGE_MANIFEST)])
     remove_staging(staging)
