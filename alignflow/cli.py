@@ -87,16 +87,25 @@ def _prefect_defaults() -> None:
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
 
+def _services_up(cfg) -> dict:
+    """The services `alignflow services up` left running (a stale state file is ignored); their Prefect
+    and MLflow servers become this process's unless the environment or the config names others."""
+    from alignflow.infra import services
+
+    up = {s.name: s for s in services.load_services() if s.alive()}
+    if "prefect" in up and "PREFECT_API_URL" not in os.environ:
+        os.environ["PREFECT_API_URL"] = up["prefect"].url
+    if "mlflow" in up and not (cfg is not None and cfg.tracking.uri) and "MLFLOW_TRACKING_URI" not in os.environ:
+        os.environ["MLFLOW_TRACKING_URI"] = up["mlflow"].url
+    return up
+
+
 @contextlib.contextmanager
 def _services_for(cfg):
     """Use what is configured or already up (`alignflow services up`); start a private Ray head otherwise."""
     from alignflow.infra import services
 
-    up = {s.name: s for s in services.load_services() if s.alive()}  # a stale state file is ignored
-    if "prefect" in up and "PREFECT_API_URL" not in os.environ:
-        os.environ["PREFECT_API_URL"] = up["prefect"].url
-    if "mlflow" in up and not cfg.tracking.uri and "MLFLOW_TRACKING_URI" not in os.environ:
-        os.environ["MLFLOW_TRACKING_URI"] = up["mlflow"].url
+    up = _services_up(cfg)
     started = None
     if not cfg.ray.address and "ALIGNFLOW_RAY_ADDRESS" not in os.environ:
         if "ray" in up:
@@ -273,16 +282,29 @@ def serve(
 def export(
     source: Annotated[str, typer.Argument(help="a published stage folder/URI, or models:/NAME@ALIAS or models:/NAME/VERSION")],
     dest: Annotated[str, typer.Argument(help="folder or s3:// prefix to copy the HF model to")],
+    config: Annotated[Optional[Path], typer.Option("--config", "-c", help="the config whose tracking store holds the registry "
+                                                   "(as `run` finds it); default: configs' default storage root ./outputs")] = None,
+    overrides: SetOpt = None,
+    tracking_uri: Annotated[Optional[str], typer.Option(help="MLflow tracking store of the registry (overrides the config)")] = None,
 ) -> None:
-    """Copy a published model, verified against its manifest, to a folder or bucket for serving."""
+    """Copy a published model, verified against its manifest, to a folder or bucket for serving: the HF
+    folder, MODEL_CARD.md, the base model's licence and a MANIFEST.json of what was exported."""
+    from alignflow.config.base import StorageConfig
     from alignflow.infra.export import ExportError, export_model
+    from alignflow.infra.tracking import TrackingSettings
+    from alignflow.infra.tracking import tracking_uri as resolve_tracking
 
+    cfg = _load(config, overrides) if config else None
+    if source.startswith("models:/") and not tracking_uri:
+        _services_up(cfg)
+        tracking_uri = resolve_tracking(TrackingSettings(uri=cfg.tracking.uri if cfg else None, experiment="",
+                                                         storage_root=cfg.storage.root if cfg else StorageConfig().root))
     try:
-        files = export_model(source, dest)
+        files = export_model(source, dest, tracking_uri)
     except ExportError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(BAD_INPUT) from None
-    typer.echo(f"exported {len(files)} files to {dest} (sha256 verified against the manifest)")
+    typer.echo(f"exported {len(files)} files to {dest} (sha256 verified against the manifest; MANIFEST.json lists them)")
 
 
 @config_app.command("show")
