@@ -37,6 +37,16 @@ def test_export_carries_card_licence_and_a_manifest_that_verifies(tmp_path, tiny
     files = export_model(result["uri"], str(tmp_path / "serving"))
     assert {"model.safetensors", "tokenizer.json", "MODEL_CARD.md", "LICENSE"} <= set(files)
     assert (tmp_path / "serving" / "LICENSE").read_text() == "Apache-2.0, for the test\n"
+    import json
+
+    from transformers import AutoTokenizer
+
+    config = json.loads((tmp_path / "serving" / "tokenizer_config.json").read_text())
+    assert config["tokenizer_class"] == "PreTrainedTokenizerFast" and "backend" not in config  # a class transformers 4.x knows
+    ours, theirs = AutoTokenizer.from_pretrained(base), AutoTokenizer.from_pretrained(tmp_path / "serving")
+    chat = [{"role": "system", "content": "S"}, {"role": "user", "content": "rev abcd"}]
+    assert ours.apply_chat_template(chat, add_generation_prompt=True) == theirs.apply_chat_template(chat, add_generation_prompt=True)
+    assert ours.all_special_tokens == theirs.all_special_tokens
     exported = manifest.verify(str(tmp_path / "serving"))  # a serving team can check the folder as it was handed over
     assert exported is not None and set(exported.files) == set(files) and exported.meta["source"] == result["uri"]
 

@@ -28,6 +28,29 @@ def save_hf_model(strategy: Strategy, tokenizer, folder: Path) -> None:
     model.config.use_cache = True  # the published model is for inference
     model.save_pretrained(folder, state_dict=state, safe_serialization=True)
     tokenizer.save_pretrained(folder)
+    portable_tokenizer_config(folder)
+
+
+# Keys transformers 5 writes that only it reads; the rest of a serving stack may run older versions.
+LOADER_ONLY_KEYS = ("backend", "is_local", "local_files_only")
+
+
+def portable_tokenizer_config(folder: Path) -> None:
+    """Make the saved tokenizer load with the transformers (and vLLM) versions a serving team is likely to
+    run: transformers 5 names a fast tokenizer's class `TokenizersBackend`, which 4.x does not know, and
+    writes its extra special tokens under a new key. The tokens, template and ids stay the same."""
+    path = folder / "tokenizer_config.json"
+    config = json.loads(path.read_text())
+    if config.get("tokenizer_class") == "TokenizersBackend":
+        config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    extra = config.pop("extra_special_tokens", None)
+    if isinstance(extra, list):
+        config["additional_special_tokens"] = extra
+    elif extra:
+        config["extra_special_tokens"] = extra
+    for key in LOADER_ONLY_KEYS:
+        config.pop(key, None)
+    path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
 
 
 def publish(
