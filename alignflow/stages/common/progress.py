@@ -1,8 +1,9 @@
-"""Per-step metrics: kept as history, printed as JSON lines, shown on a rich progress bar."""
+"""Per-step metrics: kept as history (metrics.json has every figure), printed as a progress line
+(step/total, ETA, headline figures to 4 significant digits) every `log_every` steps and at least
+every PROGRESS_EVERY_S seconds, and shown on a rich progress bar when `logging.progress` is on."""
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from typing import Any
@@ -10,12 +11,34 @@ from typing import Any
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 
+PROGRESS_EVERY_S = 10.0
+# The figures a progress line shows when a record has them (every figure is in metrics.json).
+HEADLINE_FIGURES = ("loss", "eval/loss", "accuracy", "eval/accuracy", "rewards/accuracy", "eval/rewards/accuracy", "reward/mean",
+                    "eval/reward", "kl", "lr", "tokens_per_s", "pairs_per_s", "samples_per_s", "rows_per_s")
+
+
+def progress_line(step: int, total: int, seconds_per_step: float | None, record: dict[str, float], headline: str) -> str:
+    """`step 25/290 (8.6%), ETA 1m02s: loss=1.234 lr=0.003 tokens_per_s=1.234e+04`."""
+    eta = "" if seconds_per_step is None else f", ETA {_duration(seconds_per_step * (total - step))}"
+    names = [k for k in (*HEADLINE_FIGURES, headline) if k in record] or [k for k in record if k != "step"]
+    figures = " ".join(f"{k}={record[k]:.4g}" for k in dict.fromkeys(names))
+    return f"step {step}/{total} ({100 * step / max(total, 1):.1f}%){eta}: {figures}"
+
+
+def _duration(seconds: float) -> str:
+    minutes, secs = divmod(int(round(seconds)), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s"
+
+
 class MetricsLog:
     """Rank 0's record of a stage's metrics. Other ranks hold an inactive one."""
 
     def __init__(self, active: bool, total_steps: int, show_progress: bool, headline: str, history: list[dict] | None = None):
-        self.active, self.headline = active, headline
+        self.active, self.headline, self.total = active, headline, total_steps
         self.history: list[dict[str, Any]] = list(history or [])
+        self._first_step = self.history[-1]["step"] if self.history else 0  # a resumed run's ETA counts from here
+        self._started = self._printed = time.monotonic()
         self._bar = None
         if active and show_progress:
             self._bar = Progress(
@@ -41,8 +64,12 @@ class MetricsLog:
         if self._bar is not None:
             figure = f"{self.headline}={metrics.get(self.headline, float('nan')):,.0f}" if self.headline in metrics else ""
             self._bar.update(self._task, completed=step, figure=figure)
-        if echo:
-            print(json.dumps(record), file=sys.stdout, flush=True)
+        now = time.monotonic()
+        if echo or now - self._printed >= PROGRESS_EVERY_S:
+            done = step - self._first_step
+            per_step = (now - self._started) / done if done > 0 else None
+            print(progress_line(step, self.total, per_step, record, self.headline), file=sys.stdout, flush=True)
+            self._printed = now
 
     def summary(self) -> dict[str, float]:
         """Latest value of every metric."""
