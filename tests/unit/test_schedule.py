@@ -14,4 +14,3 @@ def test_warmup_then_cosine_to_floor():
 def test_constant_schedule():
     f = lr_lambda(OptimConfig(scheduler="constant"), total_steps=10)
     assert {f(s) for s in range(10)} == {1.0}
-
