@@ -191,6 +191,7 @@ def alignment(config: str = "configs/tiny.yaml", overrides: list[str] | None = N
     for run_id in tracker.fail_stale_runs(cfg.name):
         log.warning("MLflow run %s was left RUNNING by a flow process that is gone; marked FAILED", run_id)
     flow_run_id = _flow_run_id()
+    _name_flow_run(cfg, stages, flow_run_id)
     tags = {"alignflow.name": cfg.name, "alignflow.config_hash": cfg.config_hash(), "alignflow.stages": ",".join(stages),
             "prefect.flow_run_id": str(flow_run_id)}
     parent = tracker.start_parent(cfg.name, tags, {n: cfg.section(n).model_dump(mode="json", by_alias=True) for n in stages})
@@ -230,12 +231,33 @@ def _flow_run_id() -> str | None:
     return str(flow_run.id) if flow_run.id else None
 
 
+def flow_run_name(config: PipelineConfig) -> str:
+    return f"{config.name}-{config.config_hash()[:8]}"
+
+
+def _name_flow_run(config: PipelineConfig, stages: list[str], flow_run_id: str | None) -> None:
+    """Name the flow run `<name>-<config hash>` and tag it with the pipeline and its stages, so the Prefect UI
+    lists runs by what they ran (Prefect names them at random); trouble here is only a warning."""
+    if not flow_run_id:
+        return
+    from prefect.client.orchestration import get_client
+
+    try:
+        with get_client(sync_client=True) as client:
+            known = client.read_flow_run(flow_run_id).tags or []
+            client.update_flow_run(flow_run_id, name=flow_run_name(config),
+                                   tags=sorted({*known, "alignflow", f"pipeline:{config.name}", *(f"stage:{s}" for s in stages)}))
+    except Exception as exc:  # noqa: BLE001 - a name is not worth failing a run for
+        get_run_logger().warning("could not name the flow run %s: %s", flow_run_id, exc)
+
+
 def summary(config: PipelineConfig, tracker: Tracker, parent: str, results: dict[str, StageResult],
             registered: dict[str, Any] | None, seconds: float) -> dict[str, Any]:
     return {
         "name": config.name,
         "seconds": seconds,
         "mlflow": {"tracking_uri": tracker.uri, "parent_run_id": parent, "parent_run": tracker.run_url(parent)},
+        "prefect": {"flow_run_id": _flow_run_id(), "flow_run_name": flow_run_name(config)},
         "registered_model": registered,
         "promoted": registered["promoted"] if registered else None,
         "stages": [r.model_dump() | {"mlflow_run": tracker.run_url(r.mlflow_run_id) if r.mlflow_run_id else None}

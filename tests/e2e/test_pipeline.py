@@ -37,6 +37,13 @@ def test_run_then_rerun_is_fully_cached(services, tmp_path):
     n = f"{rows['data/train/read']:.0f}"
     assert f"{n} rows read, {n} used" in " ".join((first.stdout + first.stderr).split())  # the job's console line, in Prefect's log
 
+    import urllib.request
+
+    with urllib.request.urlopen(f"{services['prefect']}/flow_runs/{summary['prefect']['flow_run_id']}", timeout=10) as r:
+        flow_run = json.loads(r.read())
+    assert flow_run["name"] == summary["prefect"]["flow_run_name"] and flow_run["name"].startswith("e2e-run-")
+    assert {"alignflow", "pipeline:e2e-run", "stage:sft"} <= set(flow_run["tags"])
+
     client = MlflowClient(services["mlflow"])
     parent = client.get_run(summary["mlflow"]["parent_run_id"])
     children = client.search_runs([parent.info.experiment_id], f"tags.mlflow.parentRunId = '{parent.info.run_id}'")
