@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import time
 from typing import Any
 
@@ -108,10 +109,33 @@ def stage_params(config: PipelineConfig, stage: str) -> dict:
 @task(name="stage", task_run_name=_task_run_name, cache_key_fn=prefect_cache_key, persist_result=True,
       retry_condition_fn=retry_unless_bad_input)
 def run_stage(config: PipelineConfig, stage: str, key: str, upstream: dict[str, StageResult], ctx: RunContext) -> StageResult:
+    tracker = Tracker(tracking_settings(config))
+    result = _run_or_reuse(config, stage, key, upstream, ctx, tracker)
+    _stage_artifact(result, tracker)
+    return result
+
+
+def _stage_artifact(result: StageResult, tracker: Tracker) -> None:
+    """A markdown artifact on the task run: the stage's figures, where it published, its MLflow run."""
+    from prefect.artifacts import create_markdown_artifact
+
+    shown = {k: v for k, v in sorted(result.metrics.items()) if k.startswith(("eval/", "data/")) or result.kind == "eval"}
+    lines = [f"### {result.stage} ({result.kind}): {'cache hit' if result.cached else 'trained'} in {result.seconds:.1f} s", "",
+             f"- published: `{result.uri}`",
+             f"- MLflow run: {tracker.run_url(result.mlflow_run_id) if result.mlflow_run_id else 'none'}", "",
+             "| metric | value |", "|---|---|", *[f"| {k} | {v:.4g} |" for k, v in shown.items()]]
+    try:
+        create_markdown_artifact(markdown="\n".join(lines), key=re.sub(r"[^a-z0-9-]+", "-", f"stage-{result.stage}".lower()),
+                                 description=f"alignflow stage {result.stage}")
+    except Exception as exc:  # noqa: BLE001 - an artifact is not worth failing a stage for
+        get_run_logger().warning("%s: could not create the Prefect artifact: %s", result.stage, exc)
+
+
+def _run_or_reuse(config: PipelineConfig, stage: str, key: str, upstream: dict[str, StageResult], ctx: RunContext,
+                  tracker: Tracker) -> StageResult:
     log = get_run_logger()
     start = time.time()
     uri = stage_output_uri(config, stage, key)
-    tracker = Tracker(tracking_settings(config))
     done, problem = manifest.check(uri)
     if problem:
         log.warning("%s: the published result does not verify: %s; running the stage again (it resumes from its last "

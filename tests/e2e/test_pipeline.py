@@ -43,6 +43,12 @@ def test_run_then_rerun_is_fully_cached(services, tmp_path):
         flow_run = json.loads(r.read())
     assert flow_run["name"] == summary["prefect"]["flow_run_name"] and flow_run["name"].startswith("e2e-run-")
     assert {"alignflow", "pipeline:e2e-run", "stage:sft"} <= set(flow_run["tags"])
+    query = json.dumps({"artifacts": {"flow_run_id": {"any_": [flow_run["id"]]}}}).encode()
+    with urllib.request.urlopen(urllib.request.Request(f"{services['prefect']}/artifacts/filter", data=query, method="POST",
+                                                       headers={"Content-Type": "application/json"}), timeout=10) as r:
+        (artifact,) = json.loads(r.read())
+    assert artifact["key"] == "stage-sft" and artifact["type"] == "markdown"
+    assert sft["uri"] in artifact["data"] and "| data/train/read |" in artifact["data"] and "| eval/loss |" in artifact["data"]
 
     client = MlflowClient(services["mlflow"])
     parent = client.get_run(summary["mlflow"]["parent_run_id"])
