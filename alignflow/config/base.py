@@ -95,12 +95,15 @@ class DataSource(Frozen):
 
         if v is None:
             return v
+        import string
+
         try:
-            names = placeholders(v)
+            fields = [(name, spec, conv) for _, name, spec, conv in string.Formatter().parse(v) if name is not None]
         except ValueError as exc:
             raise ValueError(f"input_template {v!r} does not parse ({exc}); write a literal brace as {{{{ or }}}}") from None
-        if not names or any(not n.isidentifier() for n in names):
-            raise ValueError(f"input_template {v!r} needs column placeholders such as {{instruction}} (names, no format specs)")
+        if not fields or any(not name.isidentifier() or spec or conv for name, spec, conv in fields):
+            raise ValueError(f"input_template {v!r} needs column placeholders such as {{instruction}} (names only: no "
+                             "format specs, conversions or indexing)")
         return v
 
     def used_columns(self) -> set[str] | None:
@@ -148,6 +151,8 @@ class PreferenceDataConfig(DataSource):
 
     @model_validator(mode="after")
     def _one_margin(self) -> "PreferenceDataConfig":
+        if self.margin_from and self.margin_from[0] == self.margin_from[1]:
+            raise ValueError(f"margin_from names one column twice ({self.margin_from[0]!r}): give [chosen score, rejected score]")
         if self.margin_key and self.margin_from:
             raise ValueError("set margin_key (a margin column) or margin_from (two score columns), not both")
         if self.min_score_gap is not None and not self.margin_from:

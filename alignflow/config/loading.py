@@ -22,12 +22,13 @@ from alignflow.config.graph import PipelineConfig, StageKind
 from alignflow.stages.common.formats import closest
 
 SETTINGS = ("name", "storage", "ray", "tracking", "register")
-# Keys that TRL or OpenRLHF users write, and what does their job here.
+# Keys that TRL or OpenRLHF users write: (the key that does their job here, what to say), said where that key is valid.
 OTHER_TOOLS_KEYS = {
-    "apply_chat_template": "in alignflow conversations are detected by themselves, and `format: chat` renders text columns as chat turns",
-    "dataset_text_field": "set input_key and output_key (or messages_key) to the columns",
-    "prompt_template": "set input_template",
-    "learning_rate": "did you mean 'lr'?",
+    "apply_chat_template": ("format", "in alignflow conversations are detected by themselves, and `format: chat` renders "
+                                      "text columns as chat turns"),
+    "dataset_text_field": ("input_key", "set input_key and output_key (or messages_key) to the columns"),
+    "prompt_template": ("input_template", "set input_template"),
+    "learning_rate": ("lr", "did you mean 'lr'?"),
 }
 RETIRED = {
     "pipeline": "stages are now a graph in the config: one key per stage with `from:` edges (README: writing graphs)",
@@ -183,7 +184,8 @@ def format_validation_error(exc: ValidationError, source: str, lines: dict[tuple
         msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
             valid = _valid_keys(tuple(str(p) for p in err["loc"]))
-            hint = f"; {OTHER_TOOLS_KEYS[loc[-1]]}" if loc[-1] in OTHER_TOOLS_KEYS else closest(loc[-1], valid)
+            target, said = OTHER_TOOLS_KEYS.get(loc[-1], (None, ""))
+            hint = f"; {said}" if target in valid else closest(loc[-1], valid)
             msg = f"unknown key{hint}" if hint else f"unknown key (valid here: {', '.join(valid)})"
         msgs.append(f"{where}: {field}: {msg}{shown}" if graph_loc is None else f"{where}: {loc[0]}: {msg}")
     return "invalid config:\n  " + "\n  ".join(msgs)

@@ -56,7 +56,7 @@ def test_truncation_cuts_the_response(tmp_path, tokenizer):
         ({"prompt": "1+2"}, "missing key 'response' (set data.output_key to the column that holds it; row has: prompt)"),
         ({"prompt": "1+2", "response": 3}, "'response' must be a string or a list of {role, content} messages (got int 3)"),
         ({"prompt": "1+2", "response": "  "}, "'response' is empty"),
-        ({"prompt": "x" * 40, "response": "y"}, "prompt is 44 tokens, not shorter than data.max_len=32"),
+        ({"prompt": "x" * 40, "response": "y"}, "prompt not shorter than data.max_len (44 tokens, max_len=32)"),
         ("{not json", "not valid JSON"),
         ([1, 2], "a row must be a JSON object, got list"),
     ],

@@ -83,8 +83,10 @@ def test_hh_transcripts_split_at_the_last_turn(tmp_path, tokenizer, pairs):
     assert texts(tokenizer, pair) == ("<bos><|user|>1+1<|end|><|assistant|>2<|end|><|user|>rev ab<|end|><|assistant|>", "ba<|end|>", "ab<|end|>")
     with pytest.raises(DataError, match=r"d.jsonl:1: missing key 'prompt' \(set data.prompt_key .*data.format: hh reads Human:/Assistant:"):
         pairs([hh])  # without the option, text pairs need a prompt column
-    with pytest.raises(DataError, match=r"d.jsonl:1: 'chosen' is not an HH transcript"):
-        pairs([{"chosen": "just text", "rejected": "other"}], format="hh")
+    with pytest.raises(DataError, match=r"d.jsonl:1: 'chosen' has no prompt: every turn is the assistant's"):
+        pairs([{"chosen": "just text", "rejected": "other"}], format="hh")  # bare answers need a prompt column
+    (pair,), _, _ = pairs([{"prompt": "\n\nHuman: 1+1\n\nAssistant:", "chosen": "2", "rejected": "3"}], format="hh")
+    assert texts(tokenizer, pair) == ("<bos><|user|>1+1<|end|><|assistant|>", "2<|end|>", "3<|end|>")
 
 
 def test_format_text_refuses_lists_and_chat_renders_strings_as_turns(tmp_path, tokenizer, pairs):
@@ -155,7 +157,7 @@ def test_alpaca_rows_by_template_and_errors_that_name_the_row_and_option(tmp_pat
     assert prompts == ["<bos><|user|>Add.\n\n1+2<|end|><|assistant|>", "<bos><|user|>rev ab<|end|><|assistant|>"]
     assert "warning" not in capsys.readouterr().out  # every column is read
     broken = jsonl(tmp_path, [rows[0], {"instruction": "x", "output": "y"}], "broken.jsonl")
-    with pytest.raises(DataError, match=r"broken.jsonl:2: missing key 'input' \(set sft.data.input_template to the column that holds it"):
+    with pytest.raises(DataError, match=r"broken.jsonl:2: missing key 'input' \(a placeholder of sft.data.input_template; did you mean 'output'\?"):
         load_sft_samples(cfg.model_copy(update={"path": broken}), tokenizer, 0, "sft.data")
     # Without the template the `input` column would be dropped: that is said once, at load.
     load_sft_samples(DataConfig(path=jsonl(tmp_path, rows), eval_fraction=0.0, input_key="instruction", output_key="output"),
@@ -178,8 +180,12 @@ def test_blank_lines_are_counted_and_too_many_skips_fail_with_the_counts(tmp_pat
     _, _, stats = load_sft_samples(DataConfig(path=path, eval_fraction=0.0, on_bad_row="skip", max_skip_fraction=0.1), tokenizer, 0)
     assert stats["train"] == {"read": 20, "used": 18, "skipped": {"blank line": 1, "missing key 'response'": 1}, "filtered": {}}
     assert "20 rows read, 18 used, 2 skipped (blank line: 1; missing key 'response': 1)" in capsys.readouterr().out
-    with pytest.raises(DataError, match=r"2 of 20 rows skipped \(10.0%\), more than sft.data.max_skip_fraction=0.05 \(20 rows read"):
+    with pytest.raises(DataError, match=r"1 of 19 rows skipped \(5.3%\), more than sft.data.max_skip_fraction=0.05 \(20 rows read"):
         load_sft_samples(DataConfig(path=path, eval_fraction=0.0, on_bad_row="skip"), tokenizer, 0, "sft.data")
+    # Blank lines are counted, not held against the limit: one stray empty line does not fail a small file.
+    small = jsonl(tmp_path, [{"prompt": "1+1", "response": "2"}] * 9 + [""], "small.jsonl")
+    _, _, stats = load_sft_samples(DataConfig(path=small, eval_fraction=0.0), tokenizer, 0)
+    assert stats["train"]["skipped"] == {"blank line": 1}
 
 
 def test_eval_split_comes_after_skipping_and_its_error_says_so(tmp_path, tokenizer):
@@ -243,3 +249,54 @@ def test_each_example_config_reads_its_public_shape_with_no_row_lost(name, token
         train, held, stats = loaders[section.kind](section.data, tokenizer, 0, f"{stage}.data")
         assert stats["train"]["skipped"] == {} and len(train) > 40 and held, (stage, stats)
     assert "warning" not in capsys.readouterr().out
+
+
+# --------------------------------------------------------------------------- edges found in review
+
+
+def test_a_response_that_is_a_whole_conversation_needs_no_prompt_column(tmp_path, tokenizer):
+    row = {"chosen": [{"role": "system", "content": "S"}, U("1+1"), A("2")]}
+    (sample,), _, _ = load_sft_samples(DataConfig(path=jsonl(tmp_path, [row]), eval_fraction=0.0, output_key="chosen"), tokenizer, 0)
+    assert tokenizer.decode([t for t, m in zip(sample.input_ids, sample.loss_mask) if m]) == "2<|end|>"
+    kto = {"completion": [U("1+1"), A("2")], "label": False}
+    (item,), _, _ = load_kto_rows(KTODataConfig(path=jsonl(tmp_path, [kto], "k.jsonl"), eval_fraction=0.0), tokenizer, 0)
+    assert tokenizer.decode(item.prompt_ids) == "<bos><|user|>1+1<|end|><|assistant|>" and not item.desirable
+
+
+def test_bad_messages_and_empty_prompts_are_bad_rows_not_crashes(tmp_path, tokenizer):
+    rows = [{"messages": [{"role": 1, "content": "a"}, A("b")]}, {"instruction": "", "input": None, "response": "x"},
+            {"prompt": "  ", "response": "x"}, {"prompt": "1+1", "response": "2"}]
+    cfg = DataConfig(path=jsonl(tmp_path, rows), eval_fraction=0.0, on_bad_row="skip", max_skip_fraction=1.0)
+    _, _, stats = load_sft_samples(cfg, tokenizer, 0)
+    assert stats["train"]["skipped"] == {"'messages' must be a list of {role, content} objects": 1, "missing key 'prompt'": 1,
+                                         "'prompt' is empty": 1}
+    templated = cfg.model_copy(update={"input_template": "{instruction}\n\n{input}"})
+    with pytest.raises(DataError, match=r"d.jsonl:1: empty prompt \(every column of data.input_template is empty\)"):
+        load_sft_samples(templated.model_copy(update={"on_bad_row": "error", "path": jsonl(tmp_path, rows[1:2])}), tokenizer, 0)
+
+
+def test_skip_reasons_add_up_without_row_values(tmp_path, tokenizer):
+    rows = [{"prompt": "x" * 40, "response": "y"}, {"prompt": "z" * 50, "response": "y"}, {"prompt": "1", "response": "2"}]
+    cfg = DataConfig(path=jsonl(tmp_path, rows), eval_fraction=0.0, max_len=32, on_bad_row="skip", max_skip_fraction=1.0)
+    assert load_sft_samples(cfg, tokenizer, 0)[2]["train"]["skipped"] == {"prompt not shorter than data.max_len": 2}
+
+
+def test_csv_text_columns_stay_text_and_scores_read_as_numbers(tmp_path, tokenizer):
+    (tmp_path / "n.csv").write_text("prompt,response\n1+1,2\n2+2,4\n")
+    samples, _, _ = load_sft_samples(DataConfig(path=str(tmp_path / "n.csv"), eval_fraction=0.0), tokenizer, 0)
+    assert tokenizer.decode(samples[1].input_ids) == "<bos><|user|>2+2<|end|><|assistant|>4<|end|>"
+    (tmp_path / "p.csv").write_text("prompt,chosen,rejected,sc,sr\n1+1,2,3,8,5.5\n")
+    (pair,), _, _ = load_pairs(PreferenceDataConfig(path=str(tmp_path / "p.csv"), eval_fraction=0.0, margin_from=("sc", "sr")), tokenizer, 0)
+    assert pair.margin == 2.5
+
+
+def test_config_checks_of_the_new_options(tmp_path):
+    path = jsonl(tmp_path, [{}])
+    for template in ("{a!r}", "{a:>3}", "{a[0]}", "no placeholder"):
+        with pytest.raises(ValueError, match="needs column placeholders"):
+            DataConfig(path=path, input_template=template)
+    with pytest.raises(ValueError, match="margin_from names one column twice"):
+        PreferenceDataConfig(path=path, margin_from=("s", "s"))
+    with pytest.raises(ConfigError) as err:
+        load_config(ROOT / "configs" / "tiny.yaml", ["sft.data.learning_rate=1"])
+    assert "did you mean 'lr'" not in str(err.value)  # lr is not a data key

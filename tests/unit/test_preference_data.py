@@ -80,13 +80,13 @@ def test_bad_pairs_name_file_and_line(tmp_path, tokenizer, row, message):
 
 def test_pairs_identical_after_truncation_and_margins(tmp_path, tokenizer):
     path = jsonl(tmp_path, [{"prompt": "1+2", "chosen": "3" * 40 + "a", "rejected": "3" * 40 + "b"}])
-    with pytest.raises(DataError, match="identical after truncation to data.max_len=24"):
+    with pytest.raises(DataError, match=r"identical after truncation to data.max_len \(max_len=24\)"):
         load_pairs(pairs_cfg(path, max_len=24), tokenizer, 0)
     path = jsonl(tmp_path, [{"prompt": "1+2", "chosen": "3", "rejected": "4", "m": 1.5}, {"prompt": "1+2", "chosen": "3", "rejected": "4", "m": "big"}])
-    with pytest.raises(DataError, match=r":2: 'm' must be a finite number, got str 'big'"):
+    with pytest.raises(DataError, match=r":2: 'm' must be a finite number \(got str 'big'\)"):
         load_pairs(pairs_cfg(path, margin_key="m"), tokenizer, 0)
     kept, _, stats = load_pairs(pairs_cfg(path, margin_key="m", on_bad_row="skip", max_skip_fraction=0.5), tokenizer, 0)
-    assert [p.margin for p in kept] == [1.5] and stats["train"]["skipped"] == {"'m' must be a finite number, got str 'big'": 1}
+    assert [p.margin for p in kept] == [1.5] and stats["train"]["skipped"] == {"'m' must be a finite number": 1}
 
 
 def test_bad_pairs_are_skipped_and_counted_when_asked(tmp_path, tokenizer):

@@ -23,7 +23,7 @@ import torch
 
 from alignflow.infra import storage
 from alignflow.stages.common.formats import (DataError, FilteredRow, Messages, closest, column, conversation, is_messages,
-                                             render_template, text_or_messages)
+                                             render_template, text_or_messages, whole_conversation)
 
 __all__ = ["DataError", "FilteredRow"]  # re-exported: stages import the data errors from here
 
@@ -116,6 +116,9 @@ class BlankRow(InvalidRow):
     """An empty line: always skipped, and counted."""
 
 
+BLANK_LINE = "blank line"
+
+
 def _read_table(source: str, suffix: str) -> Iterator[tuple[str, Any]]:
     import pyarrow as pa
     import pyarrow.csv as pcsv
@@ -127,6 +130,8 @@ def _read_table(source: str, suffix: str) -> Iterator[tuple[str, Any]]:
             table = pq.read_table(f) if suffix == ".parquet" else pcsv.read_csv(f)
         except (pa.ArrowInvalid, UnicodeDecodeError) as exc:
             raise DataError(f"{source}: not a readable {suffix[1:]} file ({str(exc).splitlines()[0]})") from None
+    if suffix == ".csv":  # CSV has no types: text stays text (a column of digits is not a number), booleans stay labels
+        table = table.cast(pa.schema([(f.name, f.type if pa.types.is_boolean(f.type) else pa.string()) for f in table.schema]))
     first = 2 if suffix == ".csv" else 1  # a CSV's first line is its header
     for i, row in enumerate(table.to_pylist()):
         yield (f"{source}:{i + first}" if suffix == ".csv" else f"{source}:row {i + 1}"), row
@@ -154,7 +159,7 @@ def _read_json(source: str, suffix: str) -> Iterator[tuple[str, Any]]:
                 yield f"{source}:{lineno}", InvalidRow(f"not UTF-8 text (byte {raw[exc.start]:#04x} at column {exc.start + 1})")
                 continue
             if not line.strip():
-                yield f"{source}:{lineno}", BlankRow("blank line")
+                yield f"{source}:{lineno}", BlankRow(BLANK_LINE)
                 continue
             try:
                 yield f"{source}:{lineno}", json.loads(line)
@@ -207,7 +212,11 @@ def prompt_value(row: dict, where: str, cfg, key: str, option: str, required: bo
     """A row's prompt: `input_template` filled from its columns, else the `key` column as text or
     messages (None when `required` is false and the row has no such column)."""
     if cfg.input_template:
-        return render_template(cfg.input_template, row, where, f"{option.rsplit('.', 1)[0]}.input_template")
+        option = f"{option.rsplit('.', 1)[0]}.input_template"
+        text = render_template(cfg.input_template, row, where, option)
+        if not text:
+            raise DataError(f"{where}: empty prompt (every column of {option} is empty)")
+        return text
     if not required and isinstance(row, dict) and key not in row:
         return None
     return text_or_messages(column(row, key, where, option), cfg.format, where, key)
@@ -242,17 +251,21 @@ def chat_texts(tokenizer, prompt: Messages, response: Messages, where: str) -> t
     return before, after[len(before):]
 
 
+def prompt_too_long(where: str, tokens: int, max_len: int, section: str) -> DataError:
+    return DataError(f"{where}: prompt not shorter than {section}.max_len ({tokens} tokens, max_len={max_len})")
+
+
 def _need_chat_template(tokenizer, where: str) -> None:
     if not tokenizer.chat_template:
         raise DataError(f"{where}: conversational rows need a tokenizer with a chat template (this one has none); "
-                        "give text columns, or set data.format: text")
+                        "give text columns and no `format: chat`")
 
 
-def response_sample(prompt_ids: list[int], response_ids: list[int], max_len: int, where: str) -> Sample:
+def response_sample(prompt_ids: list[int], response_ids: list[int], max_len: int, where: str, section: str = "data") -> Sample:
     """Prompt (loss_mask 0) then response (loss_mask 1), cut at max_len: truncation cuts the
     response, never the prompt, and a prompt with no room left for a response is an error."""
     if len(prompt_ids) >= max_len:
-        raise DataError(f"{where}: prompt is {len(prompt_ids)} tokens, not shorter than data.max_len={max_len}")
+        raise prompt_too_long(where, len(prompt_ids), max_len, section)
     ids = prompt_ids + response_ids
     return Sample(ids[:max_len], ([0] * len(prompt_ids) + [1] * len(response_ids))[:max_len])
 
@@ -323,9 +336,12 @@ def report(source: str, stats: RowStats, cfg, section: str) -> None:
 
 
 def check_skips(source: str, stats: RowStats, cfg, section: str) -> None:
-    skipped = sum(stats.skipped.values())
-    if stats.read and skipped / stats.read > cfg.max_skip_fraction:
-        raise DataError(f"{source}: {skipped} of {stats.read} rows skipped ({skipped / stats.read:.1%}), more than "
+    """Fail when more than `max_skip_fraction` of the rows were skipped. Blank lines are counted but not held
+    against the limit (a stray empty line would otherwise fail a small file)."""
+    blank = stats.skipped.get(BLANK_LINE, 0)
+    skipped, rows = sum(stats.skipped.values()) - blank, stats.read - blank
+    if rows and skipped / rows > cfg.max_skip_fraction:
+        raise DataError(f"{source}: {skipped} of {rows} rows skipped ({skipped / rows:.1%}), more than "
                         f"{section}.max_skip_fraction={cfg.max_skip_fraction} ({stats.line()}); fix the data or raise the limit")
 
 

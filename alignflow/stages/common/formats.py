@@ -70,10 +70,14 @@ def placeholders(template: str) -> list[str]:
 
 def render_template(template: str, row: dict, where: str, option: str) -> str:
     """The template filled from the row's columns; see the module doc for the empty-value rule."""
+    if not isinstance(row, dict):
+        raise DataError(f"{where}: a row must be a JSON object, got {type(row).__name__}")
     values = {}
     for name in placeholders(template):
-        value = column(row, name, where, option)
-        values[name] = "" if value is None else str(value)
+        if name not in row:
+            raise DataError(f"{where}: missing key {name!r} (a placeholder of {option}{closest(name, row)}; "
+                            f"row has: {', '.join(sorted(row)) or 'no keys'})")
+        values[name] = "" if row[name] is None else str(row[name])
 
     def empty(text: str) -> bool:
         names = placeholders(text)
@@ -87,6 +91,11 @@ def render_template(template: str, row: dict, where: str, option: str) -> str:
 # --------------------------------------------------------------------------- conversations
 
 
+def whole_conversation(value: Any) -> bool:
+    """A conversation that brings its own prompt: its first turn is not the assistant's."""
+    return is_messages(value) and value[0].get("role") != "assistant"
+
+
 def is_messages(value: Any) -> bool:
     return isinstance(value, list) and bool(value) and all(isinstance(m, dict) for m in value)
 
@@ -94,9 +103,9 @@ def is_messages(value: Any) -> bool:
 def messages(value: Any, role: str, fmt: str, where: str, field: str) -> Messages:
     """The value as a conversation: a string is one `role` message (an HH transcript is parsed)."""
     if isinstance(value, str):
-        if fmt == "hh":
+        if fmt == "hh" and (HH_TURN.search("\n\n" + value.lstrip("\n")) or role != "assistant"):
             return hh_messages(value, where, field)
-        return [{"role": role, "content": value}]
+        return [{"role": role, "content": value}]  # under hh, an answer column may be the bare answer
     if not is_messages(value) or not all(isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in value):
         raise DataError(f"{where}: {field!r} must be a string or a list of {{role, content}} messages (got {_shown(value)})")
     return [{"role": m["role"], "content": m["content"]} for m in value]
@@ -105,9 +114,9 @@ def messages(value: Any, role: str, fmt: str, where: str, field: str) -> Message
 def text_or_messages(value: Any, fmt: str, where: str, field: str, role: str = "user", allow_empty: bool = False) -> str | Messages:
     """A field's value as text (a string) or a conversation, following `data.format`; a string made a
     conversation is one `role` turn."""
+    if isinstance(value, str) and not allow_empty and not value.strip():
+        raise DataError(f"{where}: {field!r} is empty")
     if isinstance(value, str) and fmt in ("auto", "text"):
-        if not allow_empty and not value.strip():
-            raise DataError(f"{where}: {field!r} is empty")
         return value
     if fmt == "text":
         raise DataError(f"{where}: {field!r} must be a string when data.format is text (got {_shown(value)})")
@@ -118,8 +127,12 @@ def hh_messages(text: str, where: str, field: str) -> Messages:
     """`\\n\\nHuman: a\\n\\nAssistant: b` -> [user a, assistant b]."""
     parts = HH_TURN.split(text if text.startswith("\n\n") else "\n\n" + text)
     if parts[0].strip() or len(parts) < 3:
-        raise DataError(f"{where}: {field!r} is not an HH transcript (turns start with '\\n\\nHuman: ' or '\\n\\nAssistant: '): {text[:60]!r}")
-    return [{"role": HH_ROLES[parts[i]], "content": parts[i + 1].strip()} for i in range(1, len(parts), 2)]
+        raise DataError(f"{where}: {field!r} is not an HH transcript (turns start with '\\n\\nHuman: ' or '\\n\\nAssistant: ') "
+                        f"(starts {text[:40]!r})")
+    turns = [{"role": HH_ROLES[parts[i]], "content": parts[i + 1].strip()} for i in range(1, len(parts), 2)]
+    if len(turns) > 1 and turns[-1] == {"role": "assistant", "content": ""}:
+        turns.pop()  # an HH prompt ends with an open "\n\nAssistant:": the header of the turn to answer
+    return turns
 
 
 def split_response(conversation: Messages, where: str, field: str) -> tuple[Messages, Messages]:

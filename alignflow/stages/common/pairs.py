@@ -127,9 +127,9 @@ def pair_from_row(row: dict, where: str, tokenizer, cfg: PreferenceDataConfig, s
         responses = [encode(tokenizer, r + tokenizer.eos_token) for r in (chosen, rejected)]
     else:
         prompt_ids, responses = _conversation_pair(prompt, chosen, rejected, where, tokenizer, cfg.format, keys)
-    pair = Pair(*(response_sample(prompt_ids, r, cfg.max_len, where) for r in responses), _margin(row, where, cfg, section))
+    pair = Pair(*(response_sample(prompt_ids, r, cfg.max_len, where, section) for r in responses), _margin(row, where, cfg, section))
     if pair.chosen.input_ids == pair.rejected.input_ids:
-        raise DataError(f"{where}: chosen and rejected are identical after truncation to data.max_len={cfg.max_len}")
+        raise DataError(f"{where}: chosen and rejected are identical after truncation to {section}.max_len (max_len={cfg.max_len})")
     return pair
 
 
@@ -164,8 +164,13 @@ def _margin(row: dict, where: str, cfg: PreferenceDataConfig, section: str) -> f
 
 def _number(row: dict, where: str, key: str, option: str) -> float:
     value = column(row, key, where, option)
+    if isinstance(value, str):  # a CSV's columns are text
+        try:
+            value = float(value)
+        except ValueError:
+            pass
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise DataError(f"{where}: {key!r} must be a finite number, got {type(value).__name__} {value!r}")
+        raise DataError(f"{where}: {key!r} must be a finite number (got {type(value).__name__} {value!r})")
     return float(value)
 
 

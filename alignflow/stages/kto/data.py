@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from alignflow.stages.kto.config import KTODataConfig
 from alignflow.stages.common.data import (DataError, Sample, column, encode, load_rows, prompt_and_response, prompt_value,
-                                          response_sample, text_or_messages)
+                                          response_sample, text_or_messages, whole_conversation)
 
 
 @dataclass
@@ -32,14 +32,15 @@ class KTORow:
 
 
 def kto_row(row: dict, where: str, tokenizer, cfg: KTODataConfig, section: str = "data") -> KTORow:
-    prompt = prompt_value(row, where, cfg, cfg.prompt_key, f"{section}.prompt_key")
+    own_prompt = isinstance(row, dict) and whole_conversation(row.get(cfg.completion_key))  # a completion with its prompt turns
+    prompt = prompt_value(row, where, cfg, cfg.prompt_key, f"{section}.prompt_key", required=not own_prompt)
     completion = text_or_messages(column(row, cfg.completion_key, where, f"{section}.completion_key"), cfg.format, where, cfg.completion_key, "assistant")
     label = column(row, cfg.label_key, where, f"{section}.label_key")
     if not isinstance(label, bool):
         raise DataError(f"{where}: {cfg.label_key!r} must be a boolean (true = desirable), got {type(label).__name__} {label!r}")
     prompt_text, completion_text = prompt_and_response(tokenizer, prompt, completion, where, cfg.format, (cfg.prompt_key, cfg.completion_key))
     prompt_ids = encode(tokenizer, prompt_text)
-    response_sample(prompt_ids, [], cfg.max_len, where)  # the prompt must leave room for a completion
+    response_sample(prompt_ids, [], cfg.max_len, where, section)  # the prompt must leave room for a completion
     return KTORow(prompt_ids, encode(tokenizer, completion_text), label, cfg.max_len)
 
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from alignflow.config.base import PromptDataConfig
-from alignflow.stages.common.data import DataError, encode, load_rows, prompt_text, prompt_value
+from alignflow.stages.common.data import DataError, encode, load_rows, prompt_text, prompt_too_long, prompt_value
 
 
 @dataclass
@@ -24,7 +24,7 @@ def prompt_row(row: dict, where: str, tokenizer, cfg: PromptDataConfig, section:
         raise DataError(f"{where}: {cfg.prompt_key!r} ends with an assistant turn: a prompt ends with the turn to answer")
     ids = encode(tokenizer, prompt_text(tokenizer, prompt, where))
     if len(ids) >= cfg.max_len:
-        raise DataError(f"{where}: prompt is {len(ids)} tokens, not shorter than data.max_len={cfg.max_len}")
+        raise prompt_too_long(where, len(ids), cfg.max_len, section)
     text = prompt if isinstance(prompt, str) else next((m["content"] for m in reversed(prompt) if m["role"] == "user"), prompt[-1]["content"])
     return PromptRow(text, ids, {k: v for k, v in row.items() if k != cfg.prompt_key})
 

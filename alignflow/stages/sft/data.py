@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from alignflow.stages.sft.config import DataConfig
 from alignflow.stages.common.data import (DataError, Sample, column, encode, is_messages, load_rows, prompt_and_response,
-                                          prompt_value, text_or_messages)
+                                          prompt_too_long, prompt_value, text_or_messages, whole_conversation)
 
 AUTO_MESSAGES_KEY = "messages"
 
@@ -22,16 +22,18 @@ def input_output_sample(row: dict, where: str, tokenizer, cfg: DataConfig, secti
     if (cfg.format != "text" and not cfg.input_template and isinstance(row, dict) and cfg.input_key not in row
             and is_messages(row.get(AUTO_MESSAGES_KEY))):
         return messages_sample(row, where, tokenizer, cfg, section, AUTO_MESSAGES_KEY)
-    prompt = prompt_value(row, where, cfg, cfg.input_key, f"{section}.input_key")
+    own_prompt = isinstance(row, dict) and whole_conversation(row.get(cfg.output_key))  # a response with its prompt turns
+    prompt = prompt_value(row, where, cfg, cfg.input_key, f"{section}.input_key", required=not own_prompt)
     response = text_or_messages(column(row, cfg.output_key, where, f"{section}.output_key"), cfg.format, where, cfg.output_key, "assistant")
     segments = zip(prompt_and_response(tokenizer, prompt, response, where, cfg.format, (cfg.input_key, cfg.output_key)), (0, 1))
-    return _sample(list(segments), where, tokenizer, cfg.max_len)
+    return _sample(list(segments), where, tokenizer, cfg.max_len, section)
 
 
 def messages_sample(row: dict, where: str, tokenizer, cfg: DataConfig, section: str = "data", key: str | None = None) -> Sample:
     key = key or cfg.messages_key
     messages = column(row, key, where, f"{section}.messages_key")
-    if not isinstance(messages, list) or not all(isinstance(m, dict) and isinstance(m.get("content"), str) and "role" in m for m in messages):
+    if not isinstance(messages, list) or not all(isinstance(m, dict) and isinstance(m.get("content"), str)
+                                                 and isinstance(m.get("role"), str) for m in messages):
         raise DataError(f"{where}: {key!r} must be a list of {{role, content}} objects")
     if not tokenizer.chat_template:
         raise DataError(f"{where}: `messages` rows need a tokenizer with a chat template")
@@ -46,10 +48,10 @@ def messages_sample(row: dict, where: str, tokenizer, cfg: DataConfig, section: 
             raise DataError(f"{where}: the chat template does not render turns as prefixes of each other")
         segments += [(before[len(done):], 0), (after[len(before):], 1)]
         done = after
-    return _sample(segments, where, tokenizer, cfg.max_len)
+    return _sample(segments, where, tokenizer, cfg.max_len, section)
 
 
-def _sample(segments: list[tuple[str, int]], where: str, tokenizer, max_len: int) -> Sample:
+def _sample(segments: list[tuple[str, int]], where: str, tokenizer, max_len: int, section: str) -> Sample:
     ids: list[int] = []
     mask: list[int] = []
     for text, trainable in segments:
@@ -58,7 +60,7 @@ def _sample(segments: list[tuple[str, int]], where: str, tokenizer, max_len: int
         mask += [trainable] * len(piece)
     first_response = mask.index(1)
     if first_response >= max_len:
-        raise DataError(f"{where}: prompt is {first_response} tokens, not shorter than data.max_len={max_len}")
+        raise prompt_too_long(where, first_response, max_len, section)
     return Sample(ids[:max_len], mask[:max_len])  # truncation cuts the response, never the prompt
 
 
