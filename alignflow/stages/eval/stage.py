@@ -76,7 +76,7 @@ def main(cfg: PipelineConfig, stage: str, output_uri: str | None = None, inputs:
     for name in section.models:
         seed_everything(section.seed)
         table[name] = evaluate_model(section, cfg.kind(name), cfg.section(name).model, fetch(f"model:{name}"),
-                                     lambda name=name: reference_path(cfg, name, inputs, fetch), strategy, judge)
+                                     lambda name=name: reference_path(cfg, name, inputs, fetch), strategy, judge, stage)
         print(f"{stage}: {name}: {json.dumps(table[name])}", flush=True)
 
     # ------------------------------------------------------------------ publish
@@ -108,20 +108,21 @@ def every_row(data: DataSource) -> DataSource:
 
 @torch.no_grad()
 def evaluate_model(section: EvalConfig, kind: StageKind, model_cfg: ModelConfig, path: str, reference: Callable[[], str],
-                   strategy: Strategy, judge: RewardScorer | None) -> dict[str, float]:
+                   strategy: Strategy, judge: RewardScorer | None, stage: str = "eval") -> dict[str, float]:
+    """`stage`: the eval stage's name, for the options that data errors name (`<stage>.pairs.prompt_key`)."""
     tokenizer = load_tokenizer(path)
     if kind == StageKind.RM:
-        return reward_model_metrics(section, path, model_cfg, tokenizer, strategy)
+        return reward_model_metrics(section, path, model_cfg, tokenizer, strategy, stage)
     model = strategy.prepare_frozen(load_causal_lm(path, model_cfg))
     out: dict[str, float] = {}
     if section.verifier or judge is not None:  # answers first: all_rows below leaves the model in train mode
-        out.update(answer_metrics(section, generator(section, model, path, tokenizer), tokenizer, judge))
+        out.update(answer_metrics(section, generator(section, model, path, tokenizer), tokenizer, judge, stage))
     if section.nll is not None:
-        samples = load_sft_samples(every_row(section.nll), tokenizer, section.seed, "nll")[0]
+        samples = load_sft_samples(every_row(section.nll), tokenizer, section.seed, f"{stage}.nll")[0]
         out["eval/nll"] = held_out_loss(strategy, SFTData([], samples, {}, False), section.micro_batch_size,
                                         tokenizer.pad_token_id)["eval/loss"]
     if section.pairs is not None:
-        pairs = load_pairs(every_row(section.pairs), tokenizer, section.seed, "pairs")[0]
+        pairs = load_pairs(every_row(section.pairs), tokenizer, section.seed, f"{stage}.pairs")[0]
         out["eval/pairwise_accuracy"] = implicit_reward_accuracy(strategy, pairs, reference(), model_cfg, section, tokenizer.pad_token_id)
     return out
 
@@ -145,8 +146,8 @@ def generator(section: EvalConfig, model: torch.nn.Module, path: str, tokenizer)
     return generate
 
 
-def answer_metrics(section: EvalConfig, generate: Generate, tokenizer, judge: RewardScorer | None) -> dict[str, float]:
-    rows = load_prompts(every_row(section.prompts), tokenizer, section.seed, "prompts")[0]
+def answer_metrics(section: EvalConfig, generate: Generate, tokenizer, judge: RewardScorer | None, stage: str = "eval") -> dict[str, float]:
+    rows = load_prompts(every_row(section.prompts), tokenizer, section.seed, f"{stage}.prompts")[0]
     ids, gen = [r.ids for r in rows], section.generation
     greedy = generate(ids, SamplingParams(gen.max_new_tokens, temperature=0, stop_token_ids=gen.stop_token_ids))
     out: dict[str, float] = {}
@@ -179,11 +180,12 @@ def implicit_reward_accuracy(strategy: Strategy, pairs: list[Pair], reference: s
     return float(metrics["rewards/accuracy"])
 
 
-def reward_model_metrics(section: EvalConfig, path: str, model_cfg: ModelConfig, tokenizer, strategy: Strategy) -> dict[str, float]:
+def reward_model_metrics(section: EvalConfig, path: str, model_cfg: ModelConfig, tokenizer, strategy: Strategy,
+                         stage: str = "eval") -> dict[str, float]:
     """An rm stage answers nothing and predicts no tokens: only its pairwise accuracy applies."""
     if section.pairs is None:
         return {}
-    pairs = load_pairs(every_row(section.pairs), tokenizer, section.seed, "pairs")[0]
+    pairs = load_pairs(every_row(section.pairs), tokenizer, section.seed, f"{stage}.pairs")[0]
     model = strategy.prepare_frozen(load_reward_model(path, model_cfg, tokenizer.pad_token_id))
     score = lambda rows: dict(zip(("chosen", "rejected"), pair_rewards(  # noqa: E731
         strategy.engine, model.score, [pairs[i] for i in rows], tokenizer.pad_token_id, strategy.device)))
