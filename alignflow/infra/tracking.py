@@ -51,6 +51,27 @@ def tracking_uri(settings: TrackingSettings) -> str:
     return f"sqlite:///{folder.resolve()}/mlflow.db"
 
 
+# MLflow 3's UI opens an experiment of this kind on its training runs, not on GenAI traces.
+EXPERIMENT_KIND_TAG, EXPERIMENT_KIND = "mlflow.experimentKind", "custom_model_development"
+
+
+def standard_tags() -> dict[str, str]:
+    """MLflow's own run tags, which its UI shows: who ran it, from what, at which git commit of the project."""
+    import getpass
+    import subprocess
+    import sys
+
+    tags = {"mlflow.user": getpass.getuser(), "mlflow.source.type": "LOCAL",
+            "mlflow.source.name": " ".join(["alignflow", *sys.argv[1:2]]) if "alignflow" in sys.argv[0] else "alignflow"}
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5)
+        if commit.returncode == 0:
+            tags["mlflow.source.git.commit"] = commit.stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        pass  # no git: no commit tag
+    return tags
+
+
 _SET_UP: set[str] = set()  # sqlite stores this process has seen set up
 
 
@@ -101,6 +122,8 @@ class Tracker:
     def _experiment(self, name: str) -> str:
         found = self.client.get_experiment_by_name(name)
         if found is not None:
+            if found.tags.get(EXPERIMENT_KIND_TAG) is None:  # made before alignflow set it, or by hand
+                self.client.set_experiment_tag(found.experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
             return found.experiment_id
         # Never MLflow's default (./mlruns under whatever the current directory is): the user's location,
         # else beside the stage outputs; a tracking server that proxies artifacts keeps its own root.
@@ -111,7 +134,7 @@ class Tracker:
         from mlflow.exceptions import MlflowException
 
         try:
-            return self.client.create_experiment(name, artifact_location=artifacts)
+            return self.client.create_experiment(name, artifact_location=artifacts, tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND})
         except MlflowException:  # another run created it in between
             found = self.client.get_experiment_by_name(name)
             if found is None:
@@ -126,14 +149,14 @@ class Tracker:
     def start_parent(self, run_name: str, tags: dict[str, str], params: dict) -> str:
         from alignflow.infra.lease import process_holder
 
-        tags = {**tags, HOLDER_TAG: process_holder("run")}
+        tags = {**standard_tags(), **tags, HOLDER_TAG: process_holder("run")}
         run = self.client.create_run(self.experiment_id, run_name=run_name, tags=tags)
         self.log_params(run.info.run_id, params)
         return run.info.run_id
 
     def start_child(self, parent_id: str, stage: str, cache_key: str, flow_run_id: str | None, params: dict,
                     tags: dict[str, str] | None = None) -> str:
-        tags = {"mlflow.parentRunId": parent_id, "alignflow.stage": stage, "alignflow.cache_key": cache_key,
+        tags = {**standard_tags(), "mlflow.parentRunId": parent_id, "alignflow.stage": stage, "alignflow.cache_key": cache_key,
                 "prefect.flow_run_id": str(flow_run_id), **(tags or {})}
         run = self.client.create_run(self.experiment_id, run_name=stage, tags=tags)
         self.log_params(run.info.run_id, params)

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import json
 import signal
+import subprocess
 import tempfile
 import time
+import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -37,8 +40,6 @@ def test_run_then_rerun_is_fully_cached(services, tmp_path):
     n = f"{rows['data/train/read']:.0f}"
     assert f"{n} rows read, {n} used" in " ".join((first.stdout + first.stderr).split())  # the job's console line, in Prefect's log
 
-    import urllib.request
-
     with urllib.request.urlopen(f"{services['prefect']}/flow_runs/{summary['prefect']['flow_run_id']}", timeout=10) as r:
         flow_run = json.loads(r.read())
     assert flow_run["name"] == summary["prefect"]["flow_run_name"] and flow_run["name"].startswith("e2e-run-")
@@ -52,6 +53,9 @@ def test_run_then_rerun_is_fully_cached(services, tmp_path):
 
     client = MlflowClient(services["mlflow"])
     parent = client.get_run(summary["mlflow"]["parent_run_id"])
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True, text=True).stdout.strip()
+    assert parent.data.tags["mlflow.source.git.commit"] == head and parent.data.tags["mlflow.user"]  # MLflow's standard tags
+    assert client.get_experiment(parent.info.experiment_id).tags["mlflow.experimentKind"] == "custom_model_development"
     children = client.search_runs([parent.info.experiment_id], f"tags.mlflow.parentRunId = '{parent.info.run_id}'")
     (child,) = children
     assert child.data.tags["alignflow.stage"] == "sft" and child.data.tags["ray.job_id"] == sft["ray_job_id"]
@@ -124,8 +128,6 @@ HF_CANARY = "hf_af-e2e-canary-41c0de"
 
 def leftover_credentials() -> list:
     """Credentials folders whose process is gone (a live run elsewhere on this machine may hold its own)."""
-    from pathlib import Path
-
     from alignflow.infra.lease import owner_gone
 
     return [f for f in Path(tempfile.gettempdir()).glob("alignflow-secrets-*") if owner_gone(f)]
@@ -134,9 +136,6 @@ def leftover_credentials() -> list:
 def assert_no_credentials_leaked(services, roots: list[str], console: str) -> None:
     """The run's S3 secret and HF token (the job needed the first to publish) are nowhere: not in the
     Jobs API, Ray's session logs, the Prefect or MLflow databases and logs, storage or the console."""
-    import urllib.request
-    from pathlib import Path
-
     canaries = [SECRET.encode(), HF_CANARY.encode()]
     with urllib.request.urlopen(services["ray"] + "/api/jobs/") as response:
         places = {"Jobs API": response.read(), "console": console.encode()}
@@ -224,7 +223,6 @@ def test_killed_stage_resumes_from_its_checkpoint(services, tmp_path, kill):
 
 def test_sigkilled_run_leaves_no_process_of_its_private_ray_head(services, tmp_path):
     import os
-    import subprocess
     import sys
 
     import psutil
