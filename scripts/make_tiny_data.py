@@ -163,7 +163,7 @@ def write_examples(used: set[str]) -> None:
     write("examples/alpaca.jsonl", [
         {"instruction": "Add the two numbers.", "input": p, "output": r} if "+" in p else {"instruction": p, "input": "", "output": r}
         for p, r in take(200)])
-    chat = take(100)
+    chat = take(400)
     write("examples/openai_chat.jsonl", [
         {"messages": [{"role": "system", "content": "Answer briefly."}, user(p1), bot(r1), user(p2), bot(r2)]}
         for (p1, r1), (p2, r2) in zip(chat[0::2], chat[1::2])])

@@ -9,7 +9,7 @@ import pytest
 
 from alignflow.config import ConfigError, load_config
 from alignflow.config.base import PreferenceDataConfig, PromptDataConfig
-from alignflow.stages.common.data import DataError, load_rows
+from alignflow.stages.common.data import DataError, load_rows, pack
 from alignflow.stages.common.formats import hh_messages, render_template
 from alignflow.stages.common.pairs import load_pairs
 from alignflow.stages.kto.config import KTODataConfig
@@ -248,6 +248,8 @@ def test_each_example_config_reads_its_public_shape_with_no_row_lost(name, token
     for stage, section in cfg.stages.items():
         train, held, stats = loaders[section.kind](section.data, tokenizer, 0, f"{stage}.data")
         assert stats["train"]["skipped"] == {} and len(train) > 40 and held, (stage, stats)
+        rows = len(pack(train, section.data.max_len)) if getattr(section.data, "packing", False) else len(train)
+        assert section.kind == "rl" or rows >= section.batch.global_batch_size, (stage, rows)  # at least one step
     assert "warning" not in capsys.readouterr().out
 
 
