@@ -200,56 +200,83 @@ services_app = typer.Typer(no_args_is_help=True, help="Local services that persi
 app.add_typer(services_app, name="services")
 
 
+HomeOpt = Annotated[Optional[str], typer.Option("--home", help="folder of the services' stores and state file "
+                                                "(default: $ALIGNFLOW_SERVICES_HOME, else ./outputs/services)")]
+
+
 @services_app.command("up")
 def services_up(
     artifacts: Annotated[str, typer.Option(help="MLflow artifact destination (folder or s3://)")] = "./outputs/mlflow-artifacts",
+    home: HomeOpt = None,
 ) -> None:
-    """Start a Ray head, a Prefect server and an MLflow server (with UIs) on 127.0.0.1."""
+    """Start a Ray head, a Prefect server and an MLflow server (with UIs) on 127.0.0.1. Their stores (MLflow runs
+    and registry, Prefect flow runs and deployments) live under --home and outlast `services down`."""
     from alignflow.infra import services
 
-    if any(svc.alive() for svc in services.load_services()):
+    if any(svc.alive() for svc in services.load_services(home)):
         typer.echo("services are already up (alignflow services down first):", err=True)
-        services_status()
+        services_status(home)
         raise typer.Exit(1)
     if "://" not in artifacts:
         artifacts = str(Path(artifacts).resolve())
         Path(artifacts).mkdir(parents=True, exist_ok=True)
+    keep = str(services.services_home(home))
     started = []
     try:
         started.append(services.start_ray_head())
-        started.append(services.start_prefect_server())
-        started.append(services.start_mlflow_server(artifacts))
+        started.append(services.start_prefect_server(keep=keep))
+        started.append(services.start_mlflow_server(artifacts, keep=keep))
     except Exception:
         for svc in started:
             svc.stop()
         raise
-    services.save_services(started)
-    services_status()
+    services.save_services(started, home)
+    services_status(home)
+    typer.echo(f"stores kept in {keep}; for the prefect CLI and MLflow clients in your shell: eval \"$(alignflow services env)\"")
 
 
 @services_app.command("down")
-def services_down() -> None:
-    """Stop the services `services up` started, each by its own process id."""
+def services_down(
+    home: HomeOpt = None,
+    purge: Annotated[bool, typer.Option("--purge", help="also delete the stores (runs, registry, deployments)")] = False,
+) -> None:
+    """Stop the services `services up` started, each by its own process id; their stores are kept unless --purge."""
     from alignflow.infra import services
 
-    for svc in services.load_services():
+    for svc in services.load_services(home):
         svc.stop()
-        services.remove_home(svc)
+        if svc.name == "ray" or purge:  # Ray's folder is its session's temp dir: nothing in it outlives the head
+            services.remove_home(svc)
         typer.echo(f"stopped {svc.name} (pid {svc.pid})")
-    services.forget_services()
+    services.forget_services(home)
+    if purge:
+        shutil.rmtree(services.services_home(home), ignore_errors=True)
+        typer.echo(f"deleted {services.services_home(home)}")
 
 
 @services_app.command("status")
-def services_status() -> None:
-    """Where the local services listen; `alignflow run` and `serve` use them while they are up."""
+def services_status(home: HomeOpt = None) -> None:
+    """Where the local services listen; `alignflow run` and `serve` in this project use them while they are up."""
     from alignflow.infra import services
 
-    up = services.load_services()
+    up = services.load_services(home)
     if not up:
         typer.echo("no local services (alignflow services up starts them)")
     for svc in up:
         ui = svc.url.removesuffix("/api")
         typer.echo(f"{svc.name:8s} pid {svc.pid:<8d} {ui}   log: {svc.log}")
+
+
+@services_app.command("env")
+def services_env(home: HomeOpt = None) -> None:
+    """`export` lines for PREFECT_API_URL, MLFLOW_TRACKING_URI and ALIGNFLOW_RAY_ADDRESS: eval "$(alignflow services env)"."""
+    from alignflow.infra import services
+
+    up = [s for s in services.load_services(home) if s.alive()]
+    if not up:
+        typer.echo("no local services are up (alignflow services up starts them)", err=True)
+        raise typer.Exit(1)
+    typer.echo("\n".join(services.env_lines(up)))
 
 
 @app.command()

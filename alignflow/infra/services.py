@@ -140,8 +140,13 @@ def _tail(path: str, lines: int = 30) -> str:
         return ""
 
 
-def _home(kind: str, base: str | None) -> Path:
-    # Short paths: Ray puts unix sockets under its temp dir, and those are limited to ~107 bytes.
+def _home(kind: str, base: str | None, keep: str | None = None) -> Path:
+    """The service's private folder: `keep/kind` when its store is to persist (`alignflow services up`), else a
+    new temporary one. Short paths: Ray puts unix sockets under its temp dir, limited to ~107 bytes."""
+    if keep:
+        home = Path(keep).resolve() / kind
+        home.mkdir(parents=True, exist_ok=True)
+        return home
     return Path(tempfile.mkdtemp(prefix=f"af-{kind}-", dir=base or "/tmp"))
 
 
@@ -168,9 +173,10 @@ def start_ray_head(num_cpus: int | None = None, base: str | None = None, timeout
                    credentials=False)
 
 
-def start_mlflow_server(artifacts: str, base: str | None = None, timeout: float = 120) -> Service:
-    """MLflow tracking + registry on a sqlite store, proxying artifacts to `artifacts` (folder or s3://)."""
-    home = _home("mlflow", base)
+def start_mlflow_server(artifacts: str, base: str | None = None, timeout: float = 120, keep: str | None = None) -> Service:
+    """MLflow tracking + registry on a sqlite store, proxying artifacts to `artifacts` (folder or s3://).
+    `keep`: a folder whose `mlflow/` holds the store across restarts."""
+    home = _home("mlflow", base, keep)
     port = free_port()
     cmd = [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
            "--backend-store-uri", f"sqlite:///{home}/mlflow.db", "--artifacts-destination", artifacts,
@@ -180,12 +186,16 @@ def start_mlflow_server(artifacts: str, base: str | None = None, timeout: float 
     return _launch("mlflow", cmd, home, env, f"http://127.0.0.1:{port}", ["/health"], timeout)
 
 
-def start_prefect_server(base: str | None = None, timeout: float = 180) -> Service:
-    """A Prefect server with its own database; `url` is its API URL (…/api)."""
-    home = _home("prefect", base)
+def start_prefect_server(base: str | None = None, timeout: float = 180, keep: str | None = None) -> Service:
+    """A Prefect server with its own database; `url` is its API URL (…/api). `keep`: a folder whose
+    `prefect/` holds the database across restarts."""
+    home = _home("prefect", base, keep)
     port = free_port()
     env = {"PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-           "PREFECT_API_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{home}/prefect.db"}
+           "PREFECT_API_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{home}/prefect.db",
+           # The UI asks the server where its API is; without these it answers 127.0.0.1:4200, whatever the port.
+           "PREFECT_SERVER_API_HOST": "127.0.0.1", "PREFECT_SERVER_API_PORT": str(port),
+           "PREFECT_SERVER_UI_API_URL": f"http://127.0.0.1:{port}/api"}
     cmd = [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)]
     return _launch("prefect", cmd, home, env, f"http://127.0.0.1:{port}/api", ["/health"], timeout)
 
@@ -193,27 +203,43 @@ def start_prefect_server(base: str | None = None, timeout: float = 180) -> Servi
 # ------------------------------------------------------------------ persistent services (`alignflow services up/down`)
 
 
-def state_file() -> Path:
-    return Path(os.environ.get("ALIGNFLOW_HOME", Path.home() / ".alignflow")) / "services.json"
+SERVICES_HOME_ENV = "ALIGNFLOW_SERVICES_HOME"
+DEFAULT_SERVICES_HOME = "outputs/services"  # in the project: a run from another checkout never finds them
 
 
-def save_services(services: list[Service]) -> None:
-    path = state_file()
+def services_home(home: str | None = None) -> Path:
+    """Where `services up` keeps its stores and state file: `home`, else $ALIGNFLOW_SERVICES_HOME, else
+    ./outputs/services of the project (the current directory)."""
+    return Path(home or os.environ.get(SERVICES_HOME_ENV) or DEFAULT_SERVICES_HOME).resolve()
+
+
+def state_file(home: str | None = None) -> Path:
+    return services_home(home) / "services.json"
+
+
+def save_services(services: list[Service], home: str | None = None) -> None:
+    path = state_file(home)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps([asdict(s) for s in services], indent=2))
 
 
-def load_services() -> list[Service]:
-    path = state_file()
+def load_services(home: str | None = None) -> list[Service]:
+    path = state_file(home)
     if not path.exists():
         return []
     return [Service(**d) for d in json.loads(path.read_text())]
 
 
-def forget_services() -> None:
-    path = state_file()
+def forget_services(home: str | None = None) -> None:
+    path = state_file(home)
     if path.exists():
         path.unlink()
+
+
+def env_lines(up: list[Service]) -> list[str]:
+    """`export` lines that point the `prefect` CLI, MLflow's client and alignflow at these services."""
+    names = {"prefect": "PREFECT_API_URL", "mlflow": "MLFLOW_TRACKING_URI", "ray": "ALIGNFLOW_RAY_ADDRESS"}
+    return [f"export {names[s.name]}={s.url}" for s in up if s.name in names]
 
 
 def remove_home(service: Service) -> None:

@@ -27,7 +27,7 @@ def services(s3_server, tmp_path_factory):
         started.append(start_prefect_server(base="/tmp"))
         ray, mlflow, prefect = started
         env = {"ALIGNFLOW_RAY_ADDRESS": ray.url, "MLFLOW_TRACKING_URI": mlflow.url, "PREFECT_API_URL": prefect.url,
-               "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "ALIGNFLOW_HOME": base,
+               "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "ALIGNFLOW_HOME": base, "ALIGNFLOW_SERVICES_HOME": base,
                "PREFECT_LOCAL_STORAGE_PATH": f"{base}/prefect-results"}
         yield {"ray": ray.url, "mlflow": mlflow.url, "prefect": prefect.url, "env": env, "base": base,
                "homes": {s.name: s.home for s in started}}

@@ -82,6 +82,7 @@ def test_compare_graph_runs_branches_at_once_and_a_failed_branch_fails_only_itse
     root = tmp_path / "out"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_API_URL", "MLFLOW_TRACKING_URI", "ALIGNFLOW_RAY"))}
     env["ALIGNFLOW_HOME"] = str(tmp_path / "home")
+    env["ALIGNFLOW_SERVICES_HOME"] = str(tmp_path / "no-services")  # none of `services up` in the checkout either
     fast = [*FAST_SFT, "--set", f"storage.root={root}", *EVAL_FAST]
     for stage in ("dpo", "ipo", "kto"):
         fast += ["--set", f"{stage}.batch.max_steps=6", "--set", f"{stage}.logging.eval_every=6"]
