@@ -14,7 +14,7 @@ import pytest
 
 from alignflow.infra import storage
 
-from .conftest import SECRET, alignflow, ray_jobs
+from .conftest import ROOT, SECRET, alignflow, ray_jobs
 
 FAST = ["--set", "sft.batch.max_steps=30", "--set", "sft.checkpoint.every_steps=10", "--set", "sft.logging.eval_every=10"]
 
@@ -63,6 +63,11 @@ def test_run_then_rerun_is_fully_cached(services, tmp_path):
     assert len(client.get_metric_history(child.info.run_id, "loss")) == 30
     assert child.data.metrics["data/train/read"] == rows["data/train/read"]  # one naming scheme: `/` as everywhere else
     assert "eval/loss" in child.data.metrics and "eval_loss" not in child.data.metrics
+    assert any(k.startswith("system/cpu_utilization") for k in child.data.metrics)  # system metrics, sampled in the job
+    datasets = {d.dataset.name: d for d in child.inputs.dataset_inputs}
+    assert set(datasets) == {"train.jsonl", "eval.jsonl"}
+    assert datasets["train.jsonl"].dataset.digest == storage.fingerprint(str(ROOT / "data" / "sft" / "train.jsonl"))[:36]
+    assert {t.value for t in datasets["train.jsonl"].tags} == {"training"}
     assert child.data.params["data.train.rows"] == f"{rows['data/train/read']:.0f} rows read, {rows['data/train/used']:.0f} used"
     artifacts = {a.path for a in client.list_artifacts(child.info.run_id)}
     assert {"config.yaml", "MANIFEST.json", "MODEL_CARD.md", "curves.png", "metrics.json"} <= artifacts

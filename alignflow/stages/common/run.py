@@ -141,6 +141,8 @@ class TrainingRun:
         self.start_step, history = self._resume()
         self.log = MetricsLog(trainer.is_main, total_steps, self.section.logging.progress, headline, history)
         self.tracking = StageTracking(trainer.is_main)
+        self.tracking.log_datasets({n: (src, self.fingerprints[n]) for n, src in data_sources(self.section).items()
+                                    if n in ("data", "eval_data")})
         self.log.add_sink(self.tracking.log_metrics)
         for record in history:  # a resumed attempt runs under a new MLflow run: give it the whole curve
             self.tracking.log_metrics(int(record["step"]), {k: v for k, v in record.items() if k != "step"})
@@ -209,6 +211,7 @@ class TrainingRun:
                 "metrics": summary, "mlflow_run_id": self.tracking.run_id}
         local = trainer.publish(tokenizer, self.out, self.staging, files, meta)
         self.tracking.log_artifacts([local / f for f in (*files, manifest.STAGE_MANIFEST)])
+        self.tracking.close()
         if trainer.is_main:
             print(f"{name}: published model to {storage.join(self.out, 'model')}\n{name}: metrics in {storage.join(self.out, 'metrics.json')}", flush=True)
         trainer.close()

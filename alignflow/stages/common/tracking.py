@@ -1,7 +1,10 @@
 """The stage's side of MLflow: continue the child run the orchestrator created.
 
 Active only when ALIGNFLOW_MLFLOW_RUN_ID is set (by the stage task); a stage run
-by hand logs to stdout and metrics.json only. Metrics are sent in batches.
+by hand logs to stdout and metrics.json only. Metrics are sent in batches; the
+stage's data files are logged as dataset inputs with their sha256; system metrics
+(CPU, memory; GPU when present) are sampled every SYSTEM_METRICS_EVERY_S seconds
+unless ALIGNFLOW_SYSTEM_METRICS=0.
 """
 
 from __future__ import annotations
@@ -17,12 +20,16 @@ log = logging.getLogger(__name__)
 
 
 
+SYSTEM_METRICS_EVERY_S = 5
+DATA_CONTEXTS = {"data": "training", "eval_data": "evaluation"}
+
+
 class StageTracking:
     def __init__(self, active: bool, flush_every: int = 20):
         self.run_id = os.environ.get(RUN_ID_ENV) if active else None
         self.flush_every = flush_every
         self._buffer: list = []
-        self.client = None
+        self.client = self._monitor = None
         if self.run_id:
             from mlflow import MlflowClient
 
@@ -30,6 +37,38 @@ class StageTracking:
 
             export_s3_endpoint()  # artifacts of a sqlite store go to S3 storage through MLflow's own client
             self.client = MlflowClient()  # MLFLOW_TRACKING_URI comes from the job's environment
+            if os.environ.get("ALIGNFLOW_SYSTEM_METRICS", "1") != "0":
+                self._start_system_metrics()
+
+    def _start_system_metrics(self) -> None:
+        try:
+            from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+            self._monitor = SystemMetricsMonitor(self.run_id, sampling_interval=SYSTEM_METRICS_EVERY_S)
+            self._monitor.start()
+        except Exception as exc:  # noqa: BLE001 - monitoring is never worth failing a stage for
+            log.warning("system metrics are off for MLflow run %s: %s", self.run_id, exc)
+
+    def log_datasets(self, datasets: dict[str, tuple[str, str]]) -> None:
+        """The stage's data files as MLflow dataset inputs: name -> (source, sha256 digest)."""
+        if not (self.client and datasets):
+            return
+        from mlflow.entities import Dataset, DatasetInput, InputTag
+
+        inputs = [DatasetInput(Dataset(name=Path(source).name, digest=digest[:36], source_type="path" if "://" not in source
+                                       else source.split("://")[0], source=source),
+                               tags=[InputTag("mlflow.data.context", DATA_CONTEXTS.get(name, name))])
+                  for name, (source, digest) in datasets.items()]
+        try:
+            self.client.log_inputs(self.run_id, datasets=inputs)
+        except Exception as exc:
+            log.warning("could not log the datasets of MLflow run %s: %s", self.run_id, exc)
+
+    def close(self) -> None:
+        self.flush()
+        if self._monitor is not None:
+            self._monitor.finish()
+            self._monitor = None
 
     def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
         if not self.client:
