@@ -46,7 +46,7 @@ def test_too_many_skipped_rows_exit_2_with_the_counts(tmp_path):
     proc = run("stage", "sft", "--config", "configs/tiny.yaml", "--set", f"sft.data.path={data}", "--set", "sft.data.on_bad_row=skip",
                "--set", f"storage.root={tmp_path}")
     assert proc.returncode == 2, proc.stderr[-2000:]
-    assert (f"{data}: 80 of 120 rows skipped (66.7%), more than sft.data.max_skip_fraction=0.05 (120 rows read, 40 used, "
+    assert (f"{data}: 40 of 80 rows skipped (50.0%), more than sft.data.max_skip_fraction=0.05 (120 rows read, 40 used, "
             "80 skipped (missing key 'response': 40; blank line: 40))") in proc.stderr
     assert not (tmp_path / "sft").exists()
 
