@@ -82,7 +82,8 @@ class RegisterConfig(Frozen):
 
     enabled: bool = True
     stage: str | None = Field(None, description="Unset: the graph's one final model (a model stage no other model stage uses).")
-    name: str | None = Field(None, pattern=NAME_PATTERN, description="Registered model name; unset: the config's `name`.")
+    name: str | None = Field(None, pattern=NAME_PATTERN, description="Registered model name; unset: `<config name>-<stage>`, "
+                             "so each recipe's final model has a name (and a `candidate`) of its own.")
     gate: GateConfig | None = None
 
 
@@ -143,6 +144,11 @@ class PipelineConfig(Frozen):
         if not self.registration.enabled:
             return None
         return self.registration.stage or self.final_models()[0]
+
+    @property
+    def registered_name(self) -> str | None:
+        stage = self.registered_stage
+        return None if stage is None else self.registration.name or f"{self.name}-{stage}"
 
     def config_hash(self) -> str:
         return stable_hash(result_fields(self))

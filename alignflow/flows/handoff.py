@@ -46,7 +46,7 @@ def eval_table(result: StageResult) -> dict[str, dict[str, float]]:
 
 def lineage_card(config: PipelineConfig, stage: str, results: dict[str, StageResult], tables: dict[str, dict]) -> str:
     """A model card for the registered model's whole lineage: each stage's kind, config hash, data, key metrics."""
-    lines = [f"# {config.registration.name or config.name}: `{stage}`", "", "## Lineage", ""]
+    lines = [f"# {config.registered_name}: `{stage}`", "", "## Lineage", ""]
     for name in config.needed_for(stage):
         r = results[name]
         section = config.section(name)
@@ -77,10 +77,10 @@ def register(config: PipelineConfig, tracker: Tracker, parent: str, results: dic
     tags = {"alignflow.cache_key": final.cache_key, "alignflow.stage": stage, "alignflow.kind": final.kind,
             "alignflow.lineage": " -> ".join(f"{r.stage}:{r.cache_key}" for r in lineage),
             LINEAGE_TAG: stable_hash([r.digest for r in lineage]), "alignflow.manifest_digest": final.digest}
-    name = reg.name or config.name
+    name = config.registered_name
     version, created = tracker.register(name, final.uri, parent, tags, lineage_card(config, stage, results, tables))
     tracker.tag_version(name, version, {"alignflow.gate": "passed" if passed else "rejected", "alignflow.gate_reason": why})
     if passed:
         tracker.set_alias(name, CANDIDATE, version)
     return {"name": name, "version": version, "alias": CANDIDATE if passed else None, "promoted": passed, "gate": why,
-            "new_version": created, "source": storage.join(final.uri, "model")}
+            "new_version": created, "source": storage.join(final.uri, "model"), "model_uri": f"models:/{name}/{version}"}

@@ -219,9 +219,11 @@ class Tracker:
         """A version of `name` for the published stage's `model/` folder: (version, created). The same lineage
         digest (tag) maps to the same version, so a fully cached re-run registers nothing new.
 
-        An MLflow server accepts a local source only inside the run's artifact folder: with local storage and a
-        server, the model is logged to the run's artifacts and registered from there."""
+        The version is an MLflow model (a pyfunc that generates; see model_flavor) logged to `run_id`, so its
+        files live in the run's artifact store; the tag STAGE_URI_TAG says which published stage it is."""
         from mlflow.exceptions import MlflowException
+
+        from alignflow.infra.model_flavor import global_tracking_uri, log_hf_model
 
         try:
             self.client.create_registered_model(name, description=f"alignflow pipeline {name!r}")
@@ -231,12 +233,11 @@ class Tracker:
         for version in self.client.search_model_versions(f"name='{name}'"):
             if version.tags.get(LINEAGE_TAG) and version.tags.get(LINEAGE_TAG) == tags.get(LINEAGE_TAG):
                 return version.version, False
-        source = storage.join(stage_uri, "model")
-        if self.uri.startswith("http") and storage.is_local(stage_uri):
-            self.client.log_artifacts(run_id, str(storage.local_path(source)), "model")
-            source = f"{self.client.get_run(run_id).info.artifact_uri}/model"
-        version = self.client.create_model_version(name, source=source, run_id=run_id, description=description,
-                                                   tags={**tags, STAGE_URI_TAG: stage_uri})
+        tags = {**tags, STAGE_URI_TAG: stage_uri}
+        with global_tracking_uri(self.uri):
+            model = log_hf_model(self.client, self.experiment_id, run_id, storage.join(stage_uri, "model"), tags)
+            version = self.client.create_model_version(name, source=model.model_uri, run_id=run_id, description=description,
+                                                       tags=tags, model_id=model.model_id)
         return version.version, True
 
     def set_alias(self, name: str, alias: str, version: str) -> None:

@@ -9,6 +9,8 @@ import sys
 import time
 from pathlib import Path
 
+from alignflow.infra.tracking import STAGE_URI_TAG
+
 from .conftest import ROOT, alignflow
 
 PREFECT = str(Path(sys.executable).parent / "prefect")
@@ -69,7 +71,8 @@ def test_served_deployment_runs_from_the_prefect_cli(services, tmp_path):
     runs = client.search_runs([client.get_experiment_by_name("alignflow").experiment_id],
                               "tags.`alignflow.name` = 'e2e-deploy'")
     assert runs and runs[0].info.status == "FINISHED" and runs[0].data.params["sft.optim.lr"] == "0.002"
-    assert client.get_model_version_by_alias("e2e-deploy", "candidate").source.startswith("s3://alignflow-test/e2e-deploy/")
+    version = client.get_model_version_by_alias("e2e-deploy-sft", "candidate")
+    assert version.tags[STAGE_URI_TAG].startswith("s3://alignflow-test/e2e-deploy/") and version.source.startswith("models:/m-")
 
 
 def test_prefect_yaml_deploys_to_a_process_work_pool_and_a_worker_runs_it(services, tmp_path):
@@ -108,7 +111,7 @@ def test_prefect_flow_run_retry_resumes_the_failed_stage(services, tmp_path):
     from .conftest import ray_jobs
 
     root = "s3://alignflow-test/e2e-retry"
-    serve = alignflow(services, "serve", "--set", f"storage.root={root}", "--set", "sft.batch.max_steps=200",
+    serve = alignflow(services, "serve", "--set", f"storage.root={root}", "--set", "sft.batch.max_steps=80",
                       "--set", "sft.checkpoint.every_steps=10", "--set", "ray.retries=0", "--set", "name=e2e-retry", wait=False)
     try:
         deadline = time.time() + 180

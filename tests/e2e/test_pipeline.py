@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import tempfile
@@ -14,6 +15,9 @@ import pytest
 
 from alignflow.infra import storage
 
+from alignflow.infra.tracking import STAGE_URI_TAG
+
+from ..serving import greedy, logged_model, predict_in_fresh_process
 from .conftest import ROOT, SECRET, alignflow, ray_jobs
 
 FAST = ["--set", "sft.batch.max_steps=30", "--set", "sft.checkpoint.every_steps=10", "--set", "sft.logging.eval_every=10"]
@@ -75,18 +79,16 @@ def test_run_then_rerun_is_fully_cached(services, tmp_path):
     assert SECRET not in everything and SECRET not in first.stdout + first.stderr
     assert_no_credentials_leaked(services, [root, "s3://alignflow-test/mlflow"], first.stdout + first.stderr)
 
-    version = client.get_model_version_by_alias("e2e-run", "candidate")
-    assert version.source == storage.join(sft["uri"], "model") and version.tags["alignflow.cache_key"] == sft["cache_key"]
+    version = client.get_model_version_by_alias("e2e-run-sft", "candidate")  # <config name>-<registered stage>
+    assert version.tags[STAGE_URI_TAG] == sft["uri"] and version.tags["alignflow.cache_key"] == sft["cache_key"]
     assert child.info.run_name == "sft" and child.data.tags["alignflow.kind"] == "sft"
-    model_dir = storage.download_dir(version.source, tmp_path / "candidate")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    # The version is an MLflow model (server x S3): a fresh process with only MLflow loads it and generates.
+    assert logged_model(client, version).artifact_location.startswith("mlflow-artifacts:/")
+    served = predict_in_fresh_process([(services["mlflow"], "models:/e2e-run-sft@candidate")], env={**os.environ, **services["env"]})
+    assert served["models:/e2e-run-sft@candidate"]["text"] == greedy(str(storage.download_dir(storage.join(sft["uri"], "model"),
+                                                                                           tmp_path / "candidate")))
 
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir)
-    ids = tok.apply_chat_template([{"role": "user", "content": "rev abcd"}], add_generation_prompt=True, return_tensors="pt", return_dict=True)
-    assert model.generate(**ids, max_new_tokens=6, do_sample=False).shape[1] > ids["input_ids"].shape[1]
-
-    exported = alignflow(services, "export", "models:/e2e-run@candidate", str(tmp_path / "serving"))
+    exported = alignflow(services, "export", "models:/e2e-run-sft@candidate", str(tmp_path / "serving"))
     assert exported.returncode == 0, exported.stderr
     assert (tmp_path / "serving" / "model.safetensors").exists() and (tmp_path / "serving" / "tokenizer.json").exists()
 
@@ -313,9 +315,11 @@ def test_registration_works_with_every_tracking_and_storage_pair(services, tmp_p
                       "--set", "sft.batch.max_steps=4", "--set", "sft.logging.eval_every=4", "--summary-json", str(tmp_path / "l.json"))
     assert local.returncode == 0, local.stdout[-3000:] + local.stderr[-3000:]
     reg = json.loads((tmp_path / "l.json").read_text())["registered_model"]
-    version = MlflowClient(services["mlflow"]).get_model_version_by_alias("e2e-local", "candidate")
-    assert version.version == reg["version"] and version.run_id  # a local folder is registered through the run's artifacts
-    exported = alignflow(services, "export", "models:/e2e-local@candidate", str(tmp_path / "serving"))
+    server = MlflowClient(services["mlflow"])
+    version = server.get_model_version_by_alias("e2e-local-sft", "candidate")
+    assert version.version == reg["version"] and version.run_id  # the model's files went to the server's artifact store
+    assert logged_model(server, version).artifact_location.startswith("mlflow-artifacts:/")
+    exported = alignflow(services, "export", "models:/e2e-local-sft@candidate", str(tmp_path / "serving"))
     assert exported.returncode == 0 and (tmp_path / "serving" / "model.safetensors").exists(), exported.stderr
 
     db = f"sqlite:///{tmp_path}/mlflow.db"
@@ -324,7 +328,12 @@ def test_registration_works_with_every_tracking_and_storage_pair(services, tmp_p
     assert s3.returncode == 0, s3.stdout[-3000:] + s3.stderr[-3000:]
     summary = json.loads((tmp_path / "s.json").read_text())
     assert summary["mlflow"]["tracking_uri"] == db
-    assert MlflowClient(db).get_model_version_by_alias("e2e-sqlite", "candidate").source.startswith("s3://alignflow-test/e2e-run/sft/")
+    on_s3 = MlflowClient(db).get_model_version_by_alias("e2e-sqlite-sft", "candidate")
+    assert on_s3.tags[STAGE_URI_TAG].startswith("s3://alignflow-test/e2e-run/sft/")
+    assert logged_model(MlflowClient(db), on_s3).artifact_location.startswith("s3://alignflow-test/e2e-run/mlflow-artifacts/")
+    served = predict_in_fresh_process([(services["mlflow"], "models:/e2e-local-sft@candidate"), (db, "models:/e2e-sqlite-sft@candidate")],
+                                      env={**os.environ, **services["env"]})
+    assert served["models:/e2e-local-sft@candidate"]["text"] == greedy(reg["source"])  # local storage: the published folder
     # Artifacts go beside the S3 storage, not to ./mlruns under the current directory.
     (experiment,) = MlflowClient(db).search_experiments(filter_string="name = 'alignflow'")
     assert experiment.artifact_location == "s3://alignflow-test/e2e-run/mlflow-artifacts"

@@ -112,6 +112,15 @@ def test_shipped_graphs():
     assert list(load_config(ROOT / "configs" / "tiny.yaml").stages) == ["sft"]
 
 
+def test_registered_name_is_per_recipe_unless_set():
+    """Each recipe's final model has a name of its own (so one recipe's run never moves another's `candidate`)."""
+    names = {f: load_config(ROOT / "configs" / f).registered_name for f in ("tiny.yaml", "tiny-grpo.yaml", "tiny-ppo.yaml", "tiny-tulu3.yaml")}
+    assert names == {"tiny.yaml": "tiny-sft", "tiny-grpo.yaml": "tiny-grpo-rl", "tiny-ppo.yaml": "tiny-ppo-rl",
+                     "tiny-tulu3.yaml": "tiny-tulu3-grpo"}
+    assert load_config(TULU, ["register.name=tulu3-candidate"]).registered_name == "tulu3-candidate"
+    assert load_config(ROOT / "configs" / "tiny-compare.yaml").registered_name is None  # registers nothing
+
+
 def test_cache_key_ignores_stage_names_and_neighbours(tmp_path):
     digests = {"from": "d" * 64}
     base = load_config(TULU)
