@@ -138,6 +138,8 @@ def run(
         typer.echo("error: give a config: alignflow run CONFIG (or --config CONFIG)", err=True)
         raise typer.Exit(BAD_INPUT)
     cfg = _load(path, overrides)
+    _prefect_defaults()
+    _services_up(cfg)  # before Prefect is imported: it reads PREFECT_API_URL once, at import
     try:
         from alignflow.flows.alignment import check_storage, plan
 
@@ -146,7 +148,6 @@ def run(
     except ConfigError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(BAD_INPUT) from None
-    _prefect_defaults()
     import psutil
 
     from alignflow.infra import watchdog
