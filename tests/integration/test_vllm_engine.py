@@ -155,3 +155,34 @@ def test_engine_death_fails_the_step_and_the_retry_resumes(tiny_sft, ray_session
     result = main(cfg, "rl", None, {"from": sft["uri"]})
     steps = [r["step"] for r in history(result["uri"]) if "reward/mean" in r]
     assert result["resumed_from_step"] == 2 and steps[-1] == 4
+
+
+VLLM_CHAT = """
+import json, os, sys
+os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1", VLLM_LOGGING_LEVEL="WARNING")
+from vllm import LLM, SamplingParams
+llm = LLM(model=sys.argv[1], dtype="float32", enforce_eager=True, max_model_len=256)
+out = llm.chat(json.loads(sys.argv[2]), SamplingParams(temperature=0.0, max_tokens=int(sys.argv[3])))
+print(json.dumps(out[0].outputs[0].text))
+"""
+
+
+def test_an_exported_folder_chats_in_vllm_as_it_does_in_transformers(tiny_sft, tmp_path):
+    """What a serving team does with `alignflow export`: vLLM's `LLM(folder).chat`, in a process of its own,
+    replies greedily with the text transformers generates from the same folder."""
+    import json
+    import subprocess
+    import sys
+
+    from alignflow.infra.export import export_model
+
+    from ..serving import CHAT, MAX_TOKENS, greedy
+
+    _, sft = tiny_sft
+    folder = tmp_path / "serving"
+    export_model(sft["uri"], str(folder))
+    done = subprocess.run([sys.executable, "-c", VLLM_CHAT, str(folder), json.dumps(CHAT), str(MAX_TOKENS)],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    reply = json.loads(done.stdout.strip().splitlines()[-1])
+    assert reply == greedy(str(folder))[0] and reply, reply
