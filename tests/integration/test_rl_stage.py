@@ -64,15 +64,15 @@ def test_every_estimator_runs(tiny_sft, tmp_path, estimator):
 
 def test_killed_run_resumes_to_the_same_weights(tiny_sft, tmp_path, monkeypatch):
     _, sft = tiny_sft
-    short = ["rl.batch.max_steps=6", "rl.checkpoint.every_steps=2", "rl.logging.eval_every=3", "rl.kl.coef=0.02", "rl.kl.target=0.01"]
+    short = ["rl.batch.max_steps=4", "rl.checkpoint.every_steps=2", "rl.logging.eval_every=100", "rl.kl.coef=0.02", "rl.kl.target=0.01"]
     straight = main(config(tmp_path / "a", *short), "rl", None, {"from": sft["uri"]})
     cfg = config(tmp_path / "b", *short)
-    monkeypatch.setenv(FAIL_AT_STEP_ENV, "5")
+    monkeypatch.setenv(FAIL_AT_STEP_ENV, "3")
     with pytest.raises(InjectedFailure):
         main(cfg, "rl", None, {"from": sft["uri"]})
     monkeypatch.delenv(FAIL_AT_STEP_ENV)
     resumed = main(cfg, "rl", None, {"from": sft["uri"]})
-    assert resumed["resumed_from_step"] == 4
+    assert resumed["resumed_from_step"] == 2
     a, b = weights(straight["uri"]), weights(resumed["uri"])
     for name in a:
         assert torch.equal(a[name], b[name]), name
