@@ -298,11 +298,15 @@ class GenerationConfig(Frozen):
     importance_cap: float | None = Field(
         None, gt=0, description="Truncated importance sampling: weight each token's policy loss by "
                                 "min(π_trainer/π_engine, cap) when the engine's kernels differ from the trainer's (off: None).")
+    importance_floor: float | None = Field(None, gt=0, description="Lower bound of that weight (needs importance_cap; off: None).")
 
     @model_validator(mode="after")
     def _engine_options(self) -> "GenerationConfig":
         if self.engine == "hf" and (self.tensor_parallel_size > 1 or self.sleep):
             raise ValueError("generation.tensor_parallel_size and generation.sleep are vLLM options: set generation.engine: vllm")
+        if self.importance_floor is not None and (self.importance_cap is None or self.importance_floor >= self.importance_cap):
+            raise ValueError(f"generation.importance_floor={self.importance_floor} needs an importance_cap above it "
+                             f"(importance_cap={self.importance_cap})")
         return self
 
 

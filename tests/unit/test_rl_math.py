@@ -1,14 +1,15 @@
 """Advantage estimators, KL estimators and the RL losses: hand-computed values and invariances."""
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
 
-from alignflow.stages.rl.advantages import Estimator, action_order, advantages, baselined_scores, gae, whiten
+from alignflow.stages.rl.advantages import Estimator, action_order, advantages, baselined_scores, gae, token_rewards, whiten
 from alignflow.stages.rl.experience import response_widths
 from alignflow.stages.rl.kl import KLEstimator, adaptive_kl_coef, kl_per_token
-from alignflow.stages.rl.losses import entropy_from_logits, policy_loss, value_loss
+from alignflow.stages.rl.losses import entropy_from_logits, policy_loss, truncated_is_weight, value_loss
 
 t = lambda *v: torch.tensor(v, dtype=torch.float64)  # noqa: E731
 rows = lambda *r: torch.tensor(r, dtype=torch.float64)  # noqa: E731
@@ -203,3 +204,55 @@ def test_holes_equal_the_trajectory_without_environment_tokens(estimator):
     torch.testing.assert_close(cut(adv), ref_adv)
     torch.testing.assert_close(cut(ret), ref_ret)
     assert (adv[mask == 0] == 0).all() and (ret[mask == 0] == 0).all()
+
+
+def test_approx_kl_is_k3_of_kl_old_to_new_by_hand():
+    """Samples come from π_old, so k3 of KL(π_old || π) takes r = π / π_old: π = 0.5, π_old = 0.25 -> r = 2,
+    (2 - 1) - ln 2 = 0.30685 (the ratio the wrong way round would give (0.5 - 1) - ln 0.5 = 0.19315)."""
+    logp, old = torch.tensor([[math.log(0.5)]]), torch.tensor([[math.log(0.25)]])
+    _, m = policy_loss(logp, old, torch.ones(1, 1), torch.ones(1, 1))
+    assert float(m["approx_kl"]) == pytest.approx(1 - math.log(2), abs=1e-6)
+
+
+def test_policy_loss_ignores_huge_log_ratios_on_padding():
+    """Padding may hold any log-probs: exp(1000) is inf, and inf x mask 0 was NaN. The loss equals the one
+    without the padded column; a real token's log-ratio is clamped to ±20 before exp."""
+    logp, old, adv = torch.tensor([[-1.0, 500.0]]), torch.tensor([[-1.2, -500.0]]), torch.tensor([[1.0, 0.0]])  # 0 on padding
+    mask = torch.tensor([[1.0, 0.0]])
+    loss, m = policy_loss(logp, old, adv, mask, num_tokens=1.0)
+    alone, _ = policy_loss(logp[:, :1], old[:, :1], adv[:, :1], mask[:, :1], num_tokens=1.0)
+    assert torch.isfinite(loss) and all(torch.isfinite(v) for v in m.values()) and float(loss) == pytest.approx(float(alone))
+    big, _ = policy_loss(torch.tensor([[100.0]]), torch.tensor([[0.0]]), torch.tensor([[-1.0]]), torch.ones(1, 1))
+    assert float(big) == pytest.approx(math.exp(20.0), rel=1e-5)  # -min(r·A, clip(r)·A) with r = e^20, A = -1
+
+
+def test_truncated_importance_weight_has_a_floor_and_a_cap_by_hand():
+    old, engine = torch.log(torch.tensor([[0.1, 1.0, 5.0, 3.0]])), torch.zeros(1, 4)
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    assert truncated_is_weight(old, engine, mask, cap=2.0, floor=0.5)[0].tolist() == pytest.approx([0.5, 1.0, 2.0, 1.0])
+    assert truncated_is_weight(old, engine, mask, cap=2.0)[0].tolist() == pytest.approx([0.1, 1.0, 2.0, 1.0])
+
+
+def test_shaped_rewards_are_clipped_to_the_range_by_hand():
+    """r_t = -kl_t, plus the score 3 on the last token: [-0.5, -4, 3] clipped to [-1, 2] -> [-0.5, -1, 2]; padding 0."""
+    scores, mask = torch.tensor([3.0]), torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    kl = torch.tensor([[0.5, 4.0, 0.0, 9.0]])
+    assert token_rewards(scores, mask, kl, clip=(-1.0, 2.0)).tolist() == [[-0.5, -1.0, 2.0, 0.0]]
+    assert token_rewards(scores, mask, kl).tolist() == [[-0.5, -4.0, 3.0, 0.0]]
+    adv, returns = advantages(Estimator.REINFORCE, scores, mask, kl=kl, reward_clip=(-1.0, 2.0))
+    assert returns.tolist() == [[0.5, 1.0, 2.0, 0.0]]  # γ = 1: sums of the clipped rewards from each token on
+
+
+def test_reward_clip_and_importance_floor_are_checked_at_load():
+    from alignflow.config import ConfigError, load_config
+
+    tiny = Path(__file__).resolve().parents[2] / "configs" / "tiny-grpo.yaml"
+    with pytest.raises(ConfigError, match="kl.reward_clip bounds the reward the KL is placed in"):
+        load_config(tiny, ["rl.kl.reward_clip=[-1, 1]"])
+    with pytest.raises(ConfigError, match="low < high"):
+        load_config(tiny, ["rl.kl.placement=reward", "rl.kl.reward_clip=[1, -1]"])
+    with pytest.raises(ConfigError, match="importance_floor=0.5 needs an importance_cap above it"):
+        load_config(tiny, ["rl.generation.importance_floor=0.5"])
+    ok = load_config(tiny, ["rl.kl.placement=reward", "rl.kl.reward_clip=[-1, 1]", "rl.generation.importance_cap=2",
+                            "rl.generation.importance_floor=0.5"]).section("rl")
+    assert ok.kl.reward_clip == (-1.0, 1.0) and ok.generation.importance_floor == 0.5

@@ -57,11 +57,14 @@ def baselined_scores(estimator: Estimator, scores: torch.Tensor, n: int, eps: fl
     return (groups - mean).view(-1)  # Dr. GRPO (Liu et al. 2025 Eq. 3) and REINFORCE++-baseline: r - mean(r)
 
 
-def token_rewards(scores: torch.Tensor, mask: torch.Tensor, kl: torch.Tensor | None = None) -> torch.Tensor:
-    """Step 2: r_t = -kl_t, plus the score on the last response token (Ziegler et al. 2019 §2.2)."""
+def token_rewards(scores: torch.Tensor, mask: torch.Tensor, kl: torch.Tensor | None = None,
+                  clip: tuple[float, float] | None = None) -> torch.Tensor:
+    """Step 2: r_t = -kl_t, plus the score on the last response token (Ziegler et al. 2019 §2.2); `clip`
+    bounds each shaped r_t to [low, high] (a KL spike or an outlier score cannot dominate the returns)."""
     rewards = -kl * mask if kl is not None else torch.zeros_like(mask, dtype=scores.dtype)
     last = (mask.cumsum(-1) == mask.sum(-1, keepdim=True)) & (mask > 0)  # the last masked position of each row
-    return rewards + last.to(scores.dtype) * scores.unsqueeze(-1)
+    rewards = rewards + last.to(scores.dtype) * scores.unsqueeze(-1)
+    return rewards.clamp(*clip) * mask if clip is not None else rewards
 
 
 def discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
@@ -96,23 +99,25 @@ def action_order(mask: torch.Tensor) -> torch.Tensor:
 
 
 def advantages(estimator: Estimator, scores: torch.Tensor, mask: torch.Tensor, *, n: int = 1, gamma: float = 1.0,
-               lam: float = 1.0, kl: torch.Tensor | None = None, values: torch.Tensor | None = None
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+               lam: float = 1.0, kl: torch.Tensor | None = None, values: torch.Tensor | None = None,
+               reward_clip: tuple[float, float] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(advantages, returns), both (B, R) and 0 on padding and environment tokens. `values` only for gae;
-    `n` for group estimators. A mask with holes is compacted first (module docstring)."""
+    `n` for group estimators; `reward_clip` bounds the shaped per-token rewards. A mask with holes is
+    compacted first (module docstring)."""
     mask = mask.to(scores.dtype)
     if estimator.is_group and (n < 2 or scores.numel() % n):
         raise ValueError(f"{estimator.value} needs groups of n >= 2 samples per prompt; got n={n} for {scores.numel()} scores")
     index = action_order(mask)
     compact = lambda x: x.gather(-1, index) if x is not None else None  # noqa: E731
-    adv, returns = _contiguous(estimator, scores, compact(mask), n, gamma, lam, compact(kl), compact(values))
+    adv, returns = _contiguous(estimator, scores, compact(mask), n, gamma, lam, compact(kl), compact(values), reward_clip)
     return torch.zeros_like(adv).scatter(-1, index, adv), torch.zeros_like(returns).scatter(-1, index, returns)
 
 
 def _contiguous(estimator: Estimator, scores: torch.Tensor, mask: torch.Tensor, n: int, gamma: float, lam: float,
-                kl: torch.Tensor | None, values: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+                kl: torch.Tensor | None, values: torch.Tensor | None, reward_clip: tuple[float, float] | None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
     """Steps 1-4 on a mask whose 1s are a prefix of each row."""
-    rewards = token_rewards(baselined_scores(estimator, scores, n), mask, kl)
+    rewards = token_rewards(baselined_scores(estimator, scores, n), mask, kl, reward_clip)
     if estimator.needs_critic:
         if values is None:
             raise ValueError("gae needs the critic's values")

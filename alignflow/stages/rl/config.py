@@ -87,6 +87,17 @@ class KLConfig(Frozen):
     estimator: KLEstimator = KLEstimator.K3
     target: float | None = Field(None, gt=0, description="Adapt β toward this KL (Ziegler et al. 2019); unset = fixed.")
     horizon: int = Field(10000, ge=1)
+    reward_clip: tuple[float, float] | None = Field(None, description="[low, high] bound of each shaped per-token reward "
+                                                    "(score and -β·KL) with placement: reward; unset = no bound.")
+
+    @model_validator(mode="after")
+    def _reward_clip(self) -> "KLConfig":
+        if self.reward_clip is not None:
+            if self.placement != "reward":
+                raise ValueError("kl.reward_clip bounds the reward the KL is placed in: set kl.placement: reward")
+            if not self.reward_clip[0] < self.reward_clip[1]:
+                raise ValueError(f"kl.reward_clip: [low, high] with low < high, got {list(self.reward_clip)}")
+        return self
 
 
 class PolicyLossConfig(Frozen):

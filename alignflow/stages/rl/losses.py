@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+LOG_RATIO_CLAMP = 20.0  # |log π/π_old| bound before exp (verl's and OpenRLHF's value)
+
 
 def aggregate(per_token: torch.Tensor, mask: torch.Tensor, agg: str, num_tokens: float, num_sequences: float) -> torch.Tensor:
     if agg == "token":
@@ -35,7 +37,10 @@ def policy_loss(
     is_weight: torch.Tensor | None = None,  # (B, R) truncated importance weights, see `truncated_is_weight`
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     mask = mask.to(logp.dtype)
-    ratio = torch.exp(logp - old_logp)
+    # Clamped as verl and OpenRLHF do: padding (mask 0) may hold any log-probs, and exp of a large log-ratio
+    # is inf there, inf x 0 = NaN in the masked sum.
+    log_ratio = torch.where(mask > 0, logp - old_logp, torch.zeros_like(logp)).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    ratio = torch.exp(log_ratio)
     surrogate = ratio * adv
     clipped = ratio.clamp(1 - clip_low, 1 + clip_high) * adv
     per_token = -torch.min(surrogate, clipped)  # PPO's clipped objective (Schulman et al. 2017 Eq. 7)
@@ -46,7 +51,7 @@ def policy_loss(
     loss = aggregate(per_token, mask, agg, num_tokens, num_sequences)
     was_clipped = (clipped < surrogate).to(logp.dtype)  # the clipped term was the smaller one
     with torch.no_grad():
-        log_ratio = old_logp - logp
+        # k3 of KL(π_old || π) from samples of π_old: (r - 1) - log r with r = π / π_old (Schulman 2020).
         return loss, {
             "clip_frac": (was_clipped * mask).sum() / mask.sum().clamp(min=1),
             "approx_kl": ((torch.expm1(log_ratio) - log_ratio) * mask).sum() / mask.sum().clamp(min=1),
@@ -54,12 +59,15 @@ def policy_loss(
         }
 
 
-def truncated_is_weight(old_logp: torch.Tensor, engine_logp: torch.Tensor, mask: torch.Tensor, cap: float) -> torch.Tensor:
-    """(B, R) min(π_old(a|s) / π_engine(a|s), cap), no gradient: the tokens were sampled by the rollout
+def truncated_is_weight(old_logp: torch.Tensor, engine_logp: torch.Tensor, mask: torch.Tensor, cap: float,
+                        floor: float | None = None) -> torch.Tensor:
+    """(B, R) clamp(π_old(a|s) / π_engine(a|s), floor, cap), no gradient: the tokens were sampled by the rollout
     engine, whose kernels give slightly different probabilities than the trainer's π_old; truncated
     importance sampling reweights each token's loss by the ratio (Yao et al. 2025, "Your efficient RL
-    framework secretly brings you off-policy RL training", Eq. 3: TIS with cap C). 1 where mask is 0."""
-    weight = torch.exp(old_logp.detach() - engine_logp.detach()).clamp(max=cap)
+    framework secretly brings you off-policy RL training", Eq. 3: TIS with cap C). `floor` also bounds it
+    from below, so a token the engine over-sampled keeps some weight. 1 where mask is 0."""
+    log_ratio = (old_logp.detach() - engine_logp.detach()).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    weight = torch.exp(log_ratio).clamp(min=floor, max=cap)
     return torch.where(mask > 0, weight, torch.ones_like(weight))
 
 

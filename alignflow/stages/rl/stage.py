@@ -237,7 +237,8 @@ class Loop:
         kl = kl_per_token(old_logp, ref_logp, rl.kl.estimator) * exp.mask if ref_logp is not None else None
         penalty = self.kl_coef * kl if kl is not None and rl.kl.placement == "reward" else None
         adv, returns = advantages(rl.advantage.estimator, scores, exp.mask, n=rl.generation.n_samples_per_prompt,
-                                  gamma=rl.advantage.gamma, lam=rl.advantage.lam, kl=penalty, values=values)
+                                  gamma=rl.advantage.gamma, lam=rl.advantage.lam, kl=penalty, values=values,
+                                  reward_clip=rl.kl.reward_clip)
         roles.before_training()
         metrics = roles.actor.call("train", exp, old_logp, adv, ref_logp, self.kl_coef, step)[0]
         if roles.critic:

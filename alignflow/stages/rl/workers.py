@@ -129,8 +129,8 @@ class ActorWorker(TrainedRole):
             r = sub.mask.shape[1]
             logp, entropy = response_logprobs(self.strategy.engine, sub, rl.generation.temperature, with_entropy=True)
             old = old_logp[rows, :r].to(logp.device)
-            cap = rl.generation.importance_cap
-            weight = truncated_is_weight(old, sub.sampled_logp, sub.mask, cap) if cap is not None else None
+            cap, floor = rl.generation.importance_cap, rl.generation.importance_floor
+            weight = truncated_is_weight(old, sub.sampled_logp, sub.mask, cap, floor) if cap is not None else None
             loss, m = policy_loss(logp, old, advantages[rows, :r], sub.mask, rl.policy.clip_low, rl.policy.clip_high,
                                   rl.policy.dual_clip, rl.policy.aggregation, num_tokens, num_sequences, weight)
             tokens = sub.mask.sum()
