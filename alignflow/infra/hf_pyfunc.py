@@ -30,7 +30,7 @@ class HFGenerator(PythonModel):
 
     def _prompt_ids(self, row) -> list[int]:
         messages = row.get("messages")
-        if messages is not None and len(messages) > 0:
+        if hasattr(messages, "__len__") and len(messages) > 0:  # a missing cell may come as None or NaN
             chat = [{"role": m["role"], "content": m["content"]} for m in messages]
             rendered = self.tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)
             return list(rendered["input_ids"] if hasattr(rendered, "keys") else rendered)
