@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -26,7 +27,11 @@ print(json.dumps(out))
 
 
 def predict_in_fresh_process(refs: list[tuple[str, str]], env: dict | None = None) -> dict[str, dict]:
-    """(tracking URI, models:/ reference) -> what `mlflow.pyfunc.load_model(ref).predict` gave for CHAT and PROMPT."""
+    """(tracking URI, models:/ reference) -> what `mlflow.pyfunc.load_model(ref).predict` gave for CHAT and PROMPT.
+    A model on the tests' S3 server is read as a serving team reads one off AWS: MLflow's own MLFLOW_S3_ENDPOINT_URL."""
+    env = dict(env or os.environ)
+    if env.get("ALIGNFLOW_S3_ENDPOINT_URL"):
+        env.setdefault("MLFLOW_S3_ENDPOINT_URL", env["ALIGNFLOW_S3_ENDPOINT_URL"])
     done = subprocess.run([sys.executable, "-c", LOAD, json.dumps(refs)], capture_output=True, text=True, timeout=600, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     out = json.loads(done.stdout.strip().splitlines()[-1])
