@@ -47,7 +47,7 @@ def _load(config: Path, overrides: list[str] | None):
 
 # What the run summary shows of each stage (those it has): held-out figures first.
 SUMMARY_METRICS = ("eval/loss_initial", "eval/loss", "eval/accuracy", "eval/nll", "eval/pairwise_accuracy", "eval/rewards/accuracy", "eval/rewards/margin",
-                   "eval/reward_initial", "eval/reward", "reward/mean", "kl", "data/train/used", "data/train/skipped", "data/train/filtered")
+                   "eval/reward_initial", "eval/reward", "reward/mean", "train/kl", "data/train/used", "data/train/skipped", "data/train/filtered")
 
 
 @app.command()

@@ -61,7 +61,7 @@ Mode 2, `--rl`: the RL stage with each backend
   builtin:small folder, `register.enabled=false`): no SFT model for it (25M parameters: too slow to train here), so it starts from random
   weights, every reward is 0 and the answers run to the 8-token limit more often; the speed figures still hold.
 - read from the published metrics.json history: per step `phase/generate_and_score_s`, `phase/inference_s`,
-  `phase/train_s`, `phase/sync_s` (timed by the driver in `Loop.step`) and `gen_tokens_per_s` (generated tokens /
+  `phase/train_s`, `phase/sync_s` (timed by the driver in `Loop.step`) and `train/gen_tokens_per_s` (generated tokens /
   generate-and-score time); the table shows the median of each over steps skip+1..N (`--rl-skip`, default 2: steps
   3..10), s/step = the median of the per-step sum of the four phases. setup = the run's `time/setup_s` (Ray start,
   worker processes, model loads, vLLM engine start): paid once per run.
@@ -281,9 +281,9 @@ def worker_rl(args: argparse.Namespace) -> dict[str, Any]:
     steps = [h for h in metrics["history"] if h.get("step", 0) >= 1 and PHASES["train_s"] in h]
     if len(steps) != args.rl_steps:
         raise RuntimeError(f"expected {args.rl_steps} RL steps in metrics.json, found {len(steps)}")
-    records = [{"step": h["step"], **{k: h[v] for k, v in PHASES.items()}, "gen_tokens_per_s": h.get("gen_tokens_per_s"),
-                "response_length": h.get("response_length"), "reward_mean": h.get("reward/mean"),
-                "logprob_mismatch": h.get("logprob_mismatch")} for h in steps]
+    records = [{"step": h["step"], **{k: h[v] for k, v in PHASES.items()}, "gen_tokens_per_s": h.get("train/gen_tokens_per_s"),
+                "response_length": h.get("train/response_length"), "reward_mean": h.get("reward/mean"),
+                "logprob_mismatch": h.get("train/logprob_mismatch")} for h in steps]
     summary, rl = metrics.get("summary", {}), cfg.section("rl")
     return {"backend": args.backend, "model": args.model, "from_sft": bool(args.sft_uri), "steps": records,
             "setup_s": summary.get("time/setup_s"), "main_s": main_s, "threads": torch.get_num_threads(),
@@ -440,7 +440,7 @@ def rl_markdown(records: list[dict[str, Any]], args: argparse.Namespace, sft: di
         lines.append(f"The tiny SFT model: {sft.get('uri')} (trained in {fmt(sft.get('wall_s'), '.0f')} s, not in these figures).")
     lines += [*contention_note(records), "", f"Invocation: `{shlex.join([sys.executable, *sys.argv])}`", "",
               "s/step = median over the steps of generate + score + old log-probs + train + weight sync (the driver's phase timers, "
-              "metrics.json `phase/*_s`); gen tokens/s = the stage's `gen_tokens_per_s` (generated tokens / generate + score time). "
+              "metrics.json `phase/*_s`); gen tokens/s = the stage's `train/gen_tokens_per_s` (generated tokens / generate + score time). "
               "setup = `time/setup_s` (Ray, worker processes, model loads, engine start). See the docstring of "
               "benchmarks/generation_throughput.py."]
     return "\n".join(lines)

@@ -84,7 +84,7 @@ What is measured (per RL step; the first --warmup RL steps are not timed)
   processes' start, imports and model loads, which is most of it.)
 - sub-phases (JSON and the detail lines): alignflow driver side: `Roles.generate` (the Ray call that generates) and
   the scorer (decode + reward); TRL: `_generate_single_turn` (`model.generate`) and `_calculate_rewards`.
-- generated tokens: completion tokens including the EOS (alignflow: `response_length` x 128, from the response mask;
+- generated tokens: completion tokens including the EOS (alignflow: `train/response_length` x 128, from the response mask;
   TRL: the lengths of the completion ids passed to the reward function, which include the EOS). completions/s =
   128 x timed steps / summed step time; generated tokens/s = generated tokens / summed step time.
   "vs TRL" = TRL's s/step / alignflow's s/step (> 1: alignflow is faster).
@@ -368,10 +368,10 @@ def worker_alignflow(args: argparse.Namespace) -> dict[str, Any]:
                   "sync_s": h["phase/sync_s"]}
         steps.append({
             "step": h["step"], **phases, "step_time_s": sum(phases.values()), "span_s": spans[i][1] - spans[i][0],
-            "completions": COMPLETIONS, "gen_tokens": round(h["response_length"] * COMPLETIONS),
-            "reward_mean": h["reward/mean"], "gen_tokens_per_s_reported": h.get("gen_tokens_per_s"),
+            "completions": COMPLETIONS, "gen_tokens": round(h["train/response_length"] * COMPLETIONS),
+            "reward_mean": h["reward/mean"], "gen_tokens_per_s_reported": h.get("train/gen_tokens_per_s"),
             "rollout_call_s": rollout_calls[i], "score_s": score_calls[i],
-            "policy_loss": h.get("policy_loss"), "entropy": h.get("entropy"), "clip_frac": h.get("clip_frac"),
+            "policy_loss": h.get("train/policy_loss"), "entropy": h.get("train/entropy"), "clip_frac": h.get("train/clip_frac"),
             "t_begin": spans[i][0], "t_end": spans[i][1],
         })
     summary = metrics.get("summary", {})

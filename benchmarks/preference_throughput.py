@@ -41,7 +41,7 @@ The same work on both sides
   alignflow, and the TRL worker drops it too by trimming its prepared dataset to 1984 pairs).
 
 What is measured
-- step time: alignflow: `step_time_s` of the published metrics.json (from entering `train_step`: batch selection,
+- step time: alignflow: `train/step_time_s` of the published metrics.json (from entering `train_step`: batch selection,
   collation, forward/backward of both micro-batches, DeepSpeed step with clipping, optimizer and LR scheduler).
   TRL: from the call of `Trainer.get_batch_samples` for the step (data loading + collation) to the `on_step_end`
   callback (after clip, optimizer, scheduler, zero_grad): the same scope; logging, eval and saving are outside it on
@@ -221,7 +221,7 @@ def worker_alignflow(args: argparse.Namespace) -> dict[str, Any]:
     pairs_module.collate_pairs = counted_collate_pairs
     result = stage.main(cfg, s, output_uri=str(Path(args.tmp) / f"{s}-out"))
     metrics = json.loads((Path(result["uri"]) / "metrics.json").read_text())
-    history = [h for h in metrics["history"] if h["step"] >= 1 and "step_time_s" in h]
+    history = [h for h in metrics["history"] if h["step"] >= 1 and "train/step_time_s" in h]
     if len(history) != total or len(spans) != total:
         raise RuntimeError(f"expected {total} steps, metrics.json has {len(history)}, timed {len(spans)}")
     for i, c in enumerate(counts):
@@ -229,7 +229,7 @@ def worker_alignflow(args: argparse.Namespace) -> dict[str, Any]:
             raise RuntimeError(f"alignflow step {i + 1} ran forwards of {c['micro_rows']} rows, expected 2 x {MICRO_BATCH}")
     steps = [
         {"step": h["step"], "pairs": GLOBAL_BATCH, "tokens": counts[i]["tokens"], "padded": counts[i]["padded"],
-         "step_time_s": h["step_time_s"], "pairs_per_s_reported": h.get("pairs_per_s"), "loss": h["loss"],
+         "step_time_s": h["train/step_time_s"], "pairs_per_s_reported": h.get("train/pairs_per_s"), "loss": h["train/loss"],
          "t_begin": spans[i][0], "t_end": spans[i][1]}
         for i, h in enumerate(history)
     ]

@@ -35,7 +35,7 @@ What is measured
   `input_ids.numel()` with padding-free packing (no padding exists; pad_to_multiple_of is None on CPU).
   This is exactly what TRL's own `num_tokens` metric counts; the worker checks that its total equals
   TRL's `num_tokens` (`tokens_match_trl_num_tokens`).
-- step time: alignflow: `step_time_s` of metrics.json (from entering `train_step`: batch selection,
+- step time: alignflow: `train/step_time_s` of metrics.json (from entering `train_step`: batch selection,
   collation, forward/backward of both micro-batches, DeepSpeed step with clipping, optimizer and LR
   scheduler). TRL: from the call of `Trainer.get_batch_samples` for the step (data loading + collation)
   to the `on_step_end` callback (after clip, optimizer, scheduler, zero_grad), so the same scope:
@@ -211,11 +211,11 @@ def worker_alignflow(args: argparse.Namespace) -> dict[str, Any]:
     stage.train_step = timed_train_step  # main() looks the name up at call time
     result = stage.main(cfg, "sft", output_uri=str(Path(args.tmp) / "sft-out"))
     metrics = json.loads((Path(result["uri"]) / "metrics.json").read_text())
-    history = [h for h in metrics["history"] if h["step"] >= 1 and "step_time_s" in h]
+    history = [h for h in metrics["history"] if h["step"] >= 1 and "train/step_time_s" in h]
     if len(history) != total or len(spans) != total:
         raise RuntimeError(f"expected {total} steps, metrics.json has {len(history)}, timed {len(spans)}")
     steps = [
-        {"step": h["step"], "tokens": int(h["tokens"]), "step_time_s": h["step_time_s"], "loss": h["loss"],
+        {"step": h["step"], "tokens": int(h["train/tokens"]), "step_time_s": h["train/step_time_s"], "loss": h["train/loss"],
          "t_begin": spans[i][0], "t_end": spans[i][1]}
         for i, h in enumerate(history)
     ]

@@ -43,7 +43,7 @@ def test_tulu3_graph_runs_evaluates_gates_and_resumes_as_cache_hits(services, tm
         assert child.info.run_name == name and child.data.tags["alignflow.kind"] == stage["kind"]
     manifest = json.loads(storage.read_text(storage.join(stages["grpo"]["uri"], "MANIFEST.json")))
     assert manifest["inputs"]["upstream:from"] == {"uri": stages["dpo"]["uri"], "digest": stages["dpo"]["digest"]}
-    assert stages["grpo"]["metrics"]["logprob_mismatch"] < 2e-4  # vLLM engine and actor agree after each sync
+    assert stages["grpo"]["metrics"]["train/logprob_mismatch"] < 2e-4  # vLLM engine and actor agree after each sync
 
     table = first["eval"]["eval"]
     assert set(table) == {"sft", "dpo", "grpo"} and all(0 <= row["eval/accuracy"] <= 1 for row in table.values())

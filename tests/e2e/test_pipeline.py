@@ -64,7 +64,7 @@ def test_run_then_rerun_is_fully_cached(services, tmp_path):
     (child,) = children
     assert child.data.tags["alignflow.stage"] == "sft" and child.data.tags["ray.job_id"] == sft["ray_job_id"]
     assert child.data.tags["alignflow.cache_key"] == sft["cache_key"]
-    assert len(client.get_metric_history(child.info.run_id, "loss")) == 30
+    assert len(client.get_metric_history(child.info.run_id, "train/loss")) == 30
     assert child.data.metrics["data/train/read"] == rows["data/train/read"]  # one naming scheme: `/` as everywhere else
     assert "eval/loss" in child.data.metrics and "eval_loss" not in child.data.metrics
     assert any(k.startswith("system/cpu_utilization") for k in child.data.metrics)  # system metrics, sampled in the job

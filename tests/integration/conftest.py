@@ -42,7 +42,7 @@ def losses(stage_uri: str) -> list[float]:
     import json
 
     history = json.loads((Path(stage_uri) / "metrics.json").read_text())["history"]
-    return [r["loss"] for r in history if "loss" in r]
+    return [r["train/loss"] for r in history if "train/loss" in r]
 
 
 @pytest.fixture(autouse=True)

@@ -32,7 +32,7 @@ PPO = [f"rl.batch.max_steps={STEPS}", "rl.rollout.prompts_per_step=8", "rl.gener
        "rl.workers.colocate=all"]
 # Per-step figures that must agree, and how closely: float32 sums in another order (gathered
 # ZeRO-3 shards, gradients reduced over 2 ranks) move them by ~1e-7 relative here.
-COMPARED = ["policy_loss", "value_loss", "reward/mean", "kl", "entropy", "grad_norm", "critic_grad_norm"]
+COMPARED = ["train/policy_loss", "train/value_loss", "reward/mean", "train/kl", "train/entropy", "train/grad_norm", "train/critic_grad_norm"]
 REL, ABS = 1e-4, 1e-6
 
 
@@ -65,7 +65,7 @@ def ppo(root: Path, inputs: dict[str, str], workers: int, zero_stage: int) -> di
 
 def step_metrics(result: dict) -> list[dict]:
     history = json.loads((Path(result["uri"]) / "metrics.json").read_text())["history"]
-    return [r for r in history if "policy_loss" in r]
+    return [r for r in history if "train/policy_loss" in r]
 
 
 def test_two_workers_per_group_under_zero3_train_like_one_worker(upstream, tmp_path):
@@ -79,7 +79,7 @@ def test_two_workers_per_group_under_zero3_train_like_one_worker(upstream, tmp_p
             assert rb[k] == pytest.approx(ra[k], rel=REL, abs=ABS), (ra["step"], k)
     worst = max((abs(rb[k] - ra[k]) / max(abs(ra[k]), ABS), k, ra["step"]) for ra, rb in zip(a, b) for k in COMPARED)
     print(f"largest relative difference, 2 workers (ZeRO-3) vs 1: {worst[0]:.2e} ({worst[1]}, step {worst[2]})")
-    assert a[0]["kl"] == 0 and a[-1]["kl"] > 0  # the policy moved away from the reference
+    assert a[0]["train/kl"] == 0 and a[-1]["train/kl"] > 0  # the policy moved away from the reference
     # Before any training: greedy held-out responses scored by 1 vs 2 reward-model workers.
     initial = "eval/reward_initial"
     assert two["metrics"][initial] == pytest.approx(one["metrics"][initial], rel=REL, abs=ABS)

@@ -23,16 +23,16 @@ def config(root, *overrides):
 def test_multiturn_grpo_raises_the_success_rate(tiny_sft, tmp_path):
     _, sft = tiny_sft
     result = main(config(tmp_path), "rl", None, {"from": sft["uri"]})  # configs/tiny-multiturn.yaml as shipped
-    m, steps = result["metrics"], [r for r in history(result["uri"]) if "success" in r]
-    first, last = sum(r["success"] for r in steps[:10]) / 10, sum(r["success"] for r in steps[-10:]) / 10
+    m, steps = result["metrics"], [r for r in history(result["uri"]) if "train/success" in r]
+    first, last = sum(r["train/success"] for r in steps[:10]) / 10, sum(r["train/success"] for r in steps[-10:]) / 10
     print(f"\nmulti-turn grpo: held-out greedy success {m['eval/success_initial']:.3f} -> {m['eval/success']:.3f} "
           f"(turns {m['eval/turns_initial']:.2f} -> {m['eval/turns']:.2f}); training success (mean of 10 steps) "
           f"{first:.3f} -> {last:.3f}")
     assert m["eval/success"] >= m["eval/success_initial"] + 0.08
     assert last > first
-    assert all(r["turns"] > 1.1 for r in steps)  # episodes with environment replies were trained on
+    assert all(r["train/turns"] > 1.1 for r in steps)  # episodes with environment replies were trained on
     # Token in, token out across turns: the trainer scores exactly what the generator sampled.
-    assert max(r["logprob_mismatch"] for r in steps) < 1e-4
+    assert max(r["train/logprob_mismatch"] for r in steps) < 1e-4
 
 
 @pytest.mark.parametrize("estimator", ["gae", "reinforce", "reinforce_baseline", "rloo", "dr_grpo"])
@@ -47,9 +47,9 @@ def test_every_estimator_trains_on_multiturn_episodes(tiny_sft, tmp_path, estima
                          "rl.rollout.prompts_per_step=4", "rl.generation.n_samples_per_prompt=4",
                          "rl.batch.global_batch_size=16", "rl.batch.micro_batch_size=16", "rl.logging.eval_every=100",
                          *extra), "rl", None, {"from": sft["uri"]})
-    (*_, last) = [r for r in history(result["uri"]) if "policy_loss" in r]
+    (*_, last) = [r for r in history(result["uri"]) if "train/policy_loss" in r]
     assert all(torch.isfinite(torch.tensor(v)) for v in last.values())
-    assert last["turns"] > 1 and 0 <= last["success"] <= 1 and last["logprob_mismatch"] < 1e-4
-    assert "eval/success" in last and last["kl"] >= 0
+    assert last["train/turns"] > 1 and 0 <= last["train/success"] <= 1 and last["train/logprob_mismatch"] < 1e-4
+    assert "eval/success" in last and last["train/kl"] >= 0
     if estimator == "gae":
-        assert "value_loss" in last
+        assert "train/value_loss" in last

@@ -40,11 +40,11 @@ def test_ppo_with_critic_raises_the_reward_model_score(tiny_sft, tiny_rm, tmp_pa
                   {"from": sft["uri"], "reward_model": rm["uri"]})
     steps = [r for r in history(result["uri"]) if "reward/mean" in r]
     first, last = sum(r["reward/mean"] for r in steps[:5]) / 5, sum(r["reward/mean"] for r in steps[-5:]) / 5
-    kl = max(r["kl"] for r in steps)
+    kl = max(r["train/kl"] for r in steps)
     print(f"\nppo: reward-model score of samples {first:.3f} -> {last:.3f}, max KL {kl:.4f}, "
-          f"value loss {steps[0]['value_loss']:.3f} -> {steps[-1]['value_loss']:.3f}")
+          f"value loss {steps[0]['train/value_loss']:.3f} -> {steps[-1]['train/value_loss']:.3f}")
     assert last > first and 0 <= kl < 1.0
-    assert all("value_loss" in r and "clip_frac" in r for r in steps)
+    assert all("train/value_loss" in r and "train/clip_frac" in r for r in steps)
 
 
 @pytest.mark.parametrize("estimator", ["reinforce", "reinforce_baseline", "rloo", "dr_grpo"])
@@ -55,11 +55,11 @@ def test_every_estimator_runs(tiny_sft, tmp_path, estimator):
     extra = ["rl.rollout.dynamic_sampling=true", "rl.reward.overlong_buffer=4"] if estimator == "dr_grpo" else []
     result = main(config(tmp_path, f"rl.advantage.estimator={estimator}", "rl.batch.max_steps=2", "rl.kl.coef=0.01",
                          "rl.logging.eval_every=100", *extra), "rl", None, {"from": sft["uri"]})
-    (*_, last) = [r for r in history(result["uri"]) if "policy_loss" in r]
+    (*_, last) = [r for r in history(result["uri"]) if "train/policy_loss" in r]
     assert all(torch.isfinite(torch.tensor(v)) for v in last.values())
-    assert last["kl_coef"] == 0.01 and "kl_loss" in last and last["logprob_mismatch"] < 1e-4
+    assert last["train/kl_coef"] == 0.01 and "train/kl_loss" in last and last["train/logprob_mismatch"] < 1e-4
     if extra:
-        assert 0 <= last["dynamic_sampling/kept_fraction"] <= 1 and 1 <= last["sampling_rounds"] <= 3
+        assert 0 <= last["train/dynamic_sampling/kept_fraction"] <= 1 and 1 <= last["train/sampling_rounds"] <= 3
 
 
 def test_killed_run_resumes_to_the_same_weights(tiny_sft, tmp_path, monkeypatch):
@@ -76,7 +76,7 @@ def test_killed_run_resumes_to_the_same_weights(tiny_sft, tmp_path, monkeypatch)
     a, b = weights(straight["uri"]), weights(resumed["uri"])
     for name in a:
         assert torch.equal(a[name], b[name]), name
-    key = lambda h: [(r["step"], r.get("reward/mean"), r.get("kl_coef")) for r in h]  # noqa: E731
+    key = lambda h: [(r["step"], r.get("reward/mean"), r.get("train/kl_coef")) for r in h]  # noqa: E731
     assert key(history(straight["uri"])) == key(history(resumed["uri"]))  # same samples, same adaptive β
 
 

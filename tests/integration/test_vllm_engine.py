@@ -132,7 +132,7 @@ def test_grpo_on_vllm_learns_like_hf_and_keeps_engine_and_trainer_in_step(tiny_s
     m = result["metrics"]
     steps = [r for r in history(result["uri"]) if "reward/mean" in r]
     first, last = sum(r["reward/mean"] for r in steps[:10]) / 10, sum(r["reward/mean"] for r in steps[-10:]) / 10
-    mismatch = max(r["logprob_mismatch"] for r in steps)
+    mismatch = max(r["train/logprob_mismatch"] for r in steps)
     print(f"\nvllm grpo: held-out greedy accuracy {m['eval/reward_initial']:.3f} -> {m['eval/reward']:.3f}; training reward "
           f"{first:.3f} -> {last:.3f}; max logprob mismatch {mismatch:.1e}")
     assert mismatch < LOGPROB_ATOL

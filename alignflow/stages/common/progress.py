@@ -12,16 +12,26 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 
 PROGRESS_EVERY_S = 10.0
+# Every figure's first path part is its group: MLflow draws one chart section per group, and the same name is
+# used in trained runs, cache-hit runs, metrics.json and the README. A training step's figures without one of
+# these groups go under `train/` (`loss` -> `train/loss`, `rewards/margin` -> `train/rewards/margin`).
+METRIC_GROUPS = ("train", "eval", "reward", "phase", "data", "time", "system")
 # The figures a progress line shows when a record has them (every figure is in metrics.json).
-HEADLINE_FIGURES = ("loss", "eval/loss", "accuracy", "eval/accuracy", "rewards/accuracy", "eval/rewards/accuracy", "reward/mean",
-                    "eval/reward", "kl", "lr", "tokens_per_s", "pairs_per_s", "samples_per_s", "rows_per_s")
+HEADLINE_FIGURES = ("train/loss", "eval/loss", "train/accuracy", "eval/accuracy", "train/rewards/accuracy", "eval/rewards/accuracy",
+                    "reward/mean", "eval/reward", "train/kl", "train/lr", "train/tokens_per_s", "train/pairs_per_s",
+                    "train/samples_per_s", "train/rows_per_s")
+
+
+def grouped(name: str) -> str:
+    """The name a figure is logged under: its own group, else `train/`."""
+    return name if name.split("/", 1)[0] in METRIC_GROUPS else f"train/{name}"
 
 
 def progress_line(step: int, total: int, seconds_per_step: float | None, record: dict[str, float], headline: str) -> str:
-    """`step 25/290 (8.6%), ETA 1m02s: loss=1.234 lr=0.003 tokens_per_s=1.234e+04`."""
+    """`step 25/290 (8.6%), ETA 1m02s: loss=1.234 lr=0.003 tokens_per_s=1.234e+04` (the console drops `train/`)."""
     eta = "" if seconds_per_step is None else f", ETA {_duration(seconds_per_step * (total - step))}"
     names = [k for k in (*HEADLINE_FIGURES, headline) if k in record] or [k for k in record if k != "step"]
-    figures = " ".join(f"{k}={record[k]:.4g}" for k in dict.fromkeys(names))
+    figures = " ".join(f"{k.removeprefix('train/')}={record[k]:.4g}" for k in dict.fromkeys(names))
     return f"step {step}/{total} ({100 * step / max(total, 1):.1f}%){eta}: {figures}"
 
 
@@ -35,7 +45,7 @@ class MetricsLog:
     """Rank 0's record of a stage's metrics. Other ranks hold an inactive one."""
 
     def __init__(self, active: bool, total_steps: int, show_progress: bool, headline: str, history: list[dict] | None = None):
-        self.active, self.headline, self.total = active, headline, total_steps
+        self.active, self.headline, self.total = active, grouped(headline), total_steps
         self.history: list[dict[str, Any]] = list(history or [])
         self._first_step = self.history[-1]["step"] if self.history else 0  # a resumed run's ETA counts from here
         self._started = self._printed = time.monotonic()
@@ -57,7 +67,8 @@ class MetricsLog:
     def log(self, step: int, metrics: dict[str, float], echo: bool) -> None:
         if not self.active:
             return
-        record = {"step": step, **{k: float(v) for k, v in metrics.items()}}
+        metrics = {grouped(k): float(v) for k, v in metrics.items()}
+        record = {"step": step, **metrics}
         self.history.append(record)
         if self._sink:
             self._sink(step, metrics)

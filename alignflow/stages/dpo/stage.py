@@ -28,7 +28,7 @@ from alignflow.stages.common.run import TrainingRun, total_steps
 from alignflow.stages.common.strategy import Strategy
 from alignflow.stages.dpo.losses import preference_loss
 
-CURVES = ["loss", "rewards/accuracy", "rewards/margin", "eval/rewards/accuracy", "eval/rewards/margin", "pairs_per_s"]
+CURVES = ["train/loss", "train/rewards/accuracy", "train/rewards/margin", "eval/rewards/accuracy", "eval/rewards/margin", "train/pairs_per_s"]
 Reference = dict[str, torch.Tensor]  # {"chosen": (n,), "rejected": (n,)} summed log-probs
 
 

@@ -31,7 +31,7 @@ from alignflow.stages.common.strategy import Strategy
 from alignflow.stages.kto.data import KTORow, load_kto_rows
 from alignflow.stages.kto.losses import kto_loss, kto_reference_point
 
-CURVES = ["loss", "kl", "rewards/margin", "eval/rewards/desirable", "eval/rewards/undesirable", "rows_per_s"]
+CURVES = ["train/loss", "train/kl", "train/rewards/margin", "eval/rewards/desirable", "eval/rewards/undesirable", "train/rows_per_s"]
 
 
 class KTOData:

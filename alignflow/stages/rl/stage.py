@@ -48,7 +48,8 @@ class EngineError(RuntimeError):
     """A rollout engine failed mid-step (retryable: the stage resumes from its last checkpoint)."""
 
 
-CURVES = ["reward/mean", "eval/reward", "success", "eval/success", "kl", "policy_loss", "entropy", "response_length"]
+CURVES = ["reward/mean", "eval/reward", "train/success", "eval/success", "train/kl", "train/policy_loss", "train/entropy",
+          "train/response_length"]
 
 
 def main(cfg: PipelineConfig, stage: str, output_uri: str | None = None, inputs: dict[str, str] | None = None,

@@ -28,7 +28,7 @@ from alignflow.stages.common.run import TrainingRun, total_steps
 from alignflow.stages.common.strategy import Strategy
 from alignflow.stages.rm.losses import pairwise_loss
 
-CURVES = ["loss", "accuracy", "margin", "eval/accuracy", "eval/margin", "pairs_per_s"]
+CURVES = ["train/loss", "train/accuracy", "train/margin", "eval/accuracy", "eval/margin", "train/pairs_per_s"]
 
 
 def main(cfg: PipelineConfig, stage: str, output_uri: str | None = None, inputs: dict[str, str] | None = None,

@@ -69,7 +69,7 @@ def main(cfg: PipelineConfig, stage: str, output_uri: str | None = None, inputs:
     run.train(lambda step: train_step(strategy, data, step, sft, tokenizer.pad_token_id), evaluate)
 
     # ------------------------------------------------------------------ publish
-    return run.publish(tokenizer, ["loss", "eval/loss", "lr", "tokens_per_s"], data.stats)
+    return run.publish(tokenizer, ["train/loss", "eval/loss", "train/lr", "train/tokens_per_s"], data.stats)
 
 
 def train_step(strategy: Strategy, data: SFTData, step: int, sft: SFTConfig, pad_id: int) -> dict[str, float]:
