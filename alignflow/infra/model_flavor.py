@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import importlib.metadata
 import tempfile
+import threading
 import warnings
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from alignflow.infra import storage
 CODE_FILE = Path(__file__).with_name("hf_pyfunc.py")
 HF_ARTIFACT = "hf_model"  # the key hf_pyfunc.py reads
 MODEL_NAME = "model"
+_GLOBAL_URI = threading.Lock()  # one flow at a time may point MLflow's global URI elsewhere (flows served in threads)
 
 
 def signature():
@@ -47,12 +49,13 @@ def global_tracking_uri(uri: str):
     `models:/<model id>` source looks the model up there), put back afterwards."""
     import mlflow
 
-    before = mlflow.get_tracking_uri()
-    mlflow.set_tracking_uri(uri)
-    try:
-        yield
-    finally:
-        mlflow.set_tracking_uri(before)
+    with _GLOBAL_URI:
+        before = mlflow.get_tracking_uri()
+        mlflow.set_tracking_uri(uri)
+        try:
+            yield
+        finally:
+            mlflow.set_tracking_uri(before)
 
 
 def log_hf_model(client, experiment_id: str, run_id: str, model_uri: str, tags: dict[str, str]):
