@@ -222,15 +222,8 @@ def services_up(
         artifacts = str(Path(artifacts).resolve())
         Path(artifacts).mkdir(parents=True, exist_ok=True)
     keep = str(services.services_home(home))
-    started = []
-    try:
-        started.append(services.start_ray_head())
-        started.append(services.start_prefect_server(keep=keep))
-        started.append(services.start_mlflow_server(artifacts, keep=keep))
-    except Exception:
-        for svc in started:
-            svc.stop()
-        raise
+    started = services.start_all(services.start_ray_head, lambda: services.start_prefect_server(keep=keep),
+                                 lambda: services.start_mlflow_server(artifacts, keep=keep))
     services.save_services(started, home)
     services_status(home)
     typer.echo(f"stores kept in {keep}; for the prefect CLI and MLflow clients in your shell: eval \"$(alignflow services env)\"")

@@ -17,6 +17,8 @@ import sys
 import tempfile
 import time
 import urllib.error
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
 import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -148,6 +150,24 @@ def _home(kind: str, base: str | None, keep: str | None = None) -> Path:
         home.mkdir(parents=True, exist_ok=True)
         return home
     return Path(tempfile.mkdtemp(prefix=f"af-{kind}-", dir=base or "/tmp"))
+
+
+def start_all(*starts: Callable[[], Service]) -> list[Service]:
+    """Start services at once (each start waits on its own health checks, so a Prefect server's 10-25 s
+    overlap the others'); in the order given. If one fails, those that came up are stopped again."""
+    with ThreadPoolExecutor(len(starts)) as pool:
+        futures = [pool.submit(start) for start in starts]
+    up, errors = [], []
+    for future in futures:
+        try:
+            up.append(future.result())
+        except BaseException as exc:
+            errors.append(exc)
+    if errors:
+        for service in up:
+            service.stop()
+        raise errors[0]
+    return up
 
 
 def start_ray_head(num_cpus: int | None = None, base: str | None = None, timeout: float = 120) -> Service:

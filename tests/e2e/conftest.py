@@ -16,15 +16,14 @@ SECRET = "af-e2e-secret-7f3a9c"  # an S3 secret key that must never show up in M
 
 @pytest.fixture(scope="session")
 def services(s3_server, tmp_path_factory):
-    from alignflow.infra.services import remove_home, start_mlflow_server, start_prefect_server, start_ray_head
+    from alignflow.infra.services import remove_home, start_all, start_mlflow_server, start_prefect_server, start_ray_head
 
     os.environ["AWS_SECRET_ACCESS_KEY"] = SECRET
     base = str(tmp_path_factory.mktemp("services"))
     started = []
     try:
-        started.append(start_ray_head(num_cpus=2))
-        started.append(start_mlflow_server("s3://alignflow-test/mlflow", base="/tmp"))
-        started.append(start_prefect_server(base="/tmp"))
+        started = start_all(lambda: start_ray_head(num_cpus=2), lambda: start_mlflow_server("s3://alignflow-test/mlflow", base="/tmp"),
+                            lambda: start_prefect_server(base="/tmp"))
         ray, mlflow, prefect = started
         env = {"ALIGNFLOW_RAY_ADDRESS": ray.url, "MLFLOW_TRACKING_URI": mlflow.url, "PREFECT_API_URL": prefect.url,
                "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "ALIGNFLOW_HOME": base, "ALIGNFLOW_SERVICES_HOME": base,

@@ -131,7 +131,8 @@ class Worker:
 
         return ray.util.get_node_ip_address(), free_port()
 
-    def join(self, address: str, port: int) -> None:
+    def join(self, where: tuple[str, int]) -> None:
+        address, port = where
         os.environ.update(MASTER_ADDR=address, MASTER_PORT=str(port))
 
     def ping(self) -> int:
@@ -139,7 +140,11 @@ class Worker:
 
 
 class WorkerGroup:
-    """The workers of one role. `call` runs a method on every worker and returns their results in rank order."""
+    """The workers of one role. `call` runs a method on every worker and returns their results in rank order.
+
+    Creating a group does not wait: its workers start (a process each, importing torch) while the caller
+    goes on, and each worker learns rank 0's rendezvous address before it runs anything called later (a
+    Ray actor runs one caller's calls in the order they were made)."""
 
     def __init__(self, role: str, cls: type, slots: list[Slot]):
         import ray
@@ -152,15 +157,21 @@ class WorkerGroup:
                            ).remote(rank, len(slots), slot.threads)
             for rank, slot in enumerate(slots)
         ]
-        address, port = ray.get(self.workers[0].rendezvous.remote())
-        ray.get([w.join.remote(address, port) for w in self.workers])
+        where = self.workers[0].rendezvous.remote()
+        self.joined = [w.join.remote(where) for w in self.workers]
 
-    def call(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+    def submit(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        """Start `method` on every worker without waiting: their results' refs, in rank order."""
         import ray
 
         if len(self.workers) > 1:  # one copy in the object store for all workers, not one per call
             args = tuple(a if isinstance(a, ray.ObjectRef) else ray.put(a) for a in args)
-        return ray.get([getattr(w, method).remote(*args, **kwargs) for w in self.workers])
+        return [getattr(w, method).remote(*args, **kwargs) for w in self.workers]
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        import ray
+
+        return ray.get(self.submit(method, *args, **kwargs))
 
     def call_each(self, method: str, per_worker: list[tuple]) -> list[Any]:
         """Worker i runs `method(*per_worker[i])`: for shards of data."""

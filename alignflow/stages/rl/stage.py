@@ -127,16 +127,20 @@ class Roles:
         slots = self.slots = self._plan(wanted)
         optimizer_steps = steps * rl.policy.epochs * (rl.rollout.prompts_per_step * rl.generation.n_samples_per_prompt // rl.batch.global_batch_size)
         self.groups: dict[str, WorkerGroup] = {}
+        setups = {  # PPO's critic starts from the reward model when there is one
+            "actor": (ActorWorker, (rl, base, optimizer_steps, out, key)),
+            "rollout": (RolloutWorker, (rl, base, None, os.environ.get(KILL_ENGINE_ENV))),
+            "reference": (ReferenceWorker, (rl, base)),
+            "critic": (CriticWorker, (rl, reward_model or base, pad_id, optimizer_steps, out, key)),
+            "reward": (RewardModelWorker, (rl, reward_model)),
+        }
         try:
-            self.actor = self._start("actor", ActorWorker, slots, rl, base, optimizer_steps, out, key)
-            self.rollout = self._start("rollout", RolloutWorker, slots, rl, base, None, os.environ.get(KILL_ENGINE_ENV))
-            self.reference = self._start("reference", ReferenceWorker, slots, rl, base) if "reference" in wanted else None
-            self.critic = (self._start("critic", CriticWorker, slots, rl, reward_model or base, pad_id, optimizer_steps, out, key)
-                           if "critic" in wanted else None)  # PPO's critic starts from the reward model when there is one
-            self.reward = self._start("reward", RewardModelWorker, slots, rl, reward_model) if "reward" in wanted else None
+            self._start({role: setups[role] for role in wanted})
         except BaseException:
             self.shutdown()  # no actor or placement group outlives a failed start
             raise
+        self.actor, self.rollout = self.groups["actor"], self.groups["rollout"]
+        self.reference, self.critic, self.reward = (self.groups.get(r) for r in ("reference", "critic", "reward"))
 
     def _plan(self, wanted: dict[str, int]) -> dict[str, list]:
         """Slots for every role. A tensor-parallel engine gets a bundle of its own with its TP GPUs: vLLM
@@ -151,10 +155,19 @@ class Roles:
             raise
         return slots
 
-    def _start(self, role: str, cls: type, slots, *setup_args) -> WorkerGroup:
-        group = self.groups[role] = WorkerGroup(role, cls, slots[role])
-        group.call("setup", *setup_args)
-        return group
+    def _start(self, setups: dict[str, tuple[type, tuple]]) -> None:
+        """Every role's workers start at once and set up at once: imports, model loads and DeepSpeed's init
+        overlap, a process each (on the tiny model this halves an RL stage's start). vLLM engines on GPUs set
+        up after the rest: vLLM sizes its KV cache from the device memory free when it starts, which a
+        trainer loading beside it would change."""
+        import ray
+
+        for role, (cls, _) in setups.items():
+            self.groups[role] = WorkerGroup(role, cls, self.slots[role])
+        engines_last = self.rl.workers.gpus_per_worker > 0
+        waves = [[r for r in setups if not (engines_last and r == "rollout")], ["rollout"] if engines_last else []]
+        for wave in waves:
+            ray.get([ref for role in wave for ref in (*self.groups[role].joined, *self.groups[role].submit("setup", *setups[role][1]))])
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Rollout]:
         """Prompts sharded over the rollout engines; engine k samples with its own seed stream."""
