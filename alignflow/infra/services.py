@@ -17,11 +17,11 @@ import sys
 import tempfile
 import time
 import urllib.error
-from concurrent.futures import ThreadPoolExecutor
-from typing import Callable
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Callable
 
 from alignflow.infra.ports import free_port, free_ports
 from alignflow.infra.secrets import without_secrets

@@ -135,7 +135,7 @@ class Roles:
             "reward": (RewardModelWorker, (rl, reward_model)),
         }
         try:
-            self._start({role: setups[role] for role in wanted})
+            self._start({role: setups[role] for role in slots})  # slots: `_plan` may take the rollout out of `wanted`
         except BaseException:
             self.shutdown()  # no actor or placement group outlives a failed start
             raise
@@ -164,10 +164,11 @@ class Roles:
 
         for role, (cls, _) in setups.items():
             self.groups[role] = WorkerGroup(role, cls, self.slots[role])
-        engines_last = self.rl.workers.gpus_per_worker > 0
-        waves = [[r for r in setups if not (engines_last and r == "rollout")], ["rollout"] if engines_last else []]
+        trainers = [role for role in setups if role != "rollout"]
+        waves = [trainers, ["rollout"]] if self.rl.workers.gpus_per_worker > 0 else [list(setups)]
         for wave in waves:
-            ray.get([ref for role in wave for ref in (*self.groups[role].joined, *self.groups[role].submit("setup", *setups[role][1]))])
+            refs = [ref for role in wave for ref in (*self.groups[role].joined, *self.groups[role].submit("setup", *setups[role][1]))]
+            ray.get(refs)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Rollout]:
         """Prompts sharded over the rollout engines; engine k samples with its own seed stream."""
