@@ -1,16 +1,27 @@
-"""A real browser on the UIs: Debian's headless Chromium renders a page (its scripts run, its API calls answer)
-and gives back the page's text, or a screenshot. `make test` installs the `chromium` package."""
+"""A real browser on the UIs: Debian's headless Chromium, driven over its DevTools protocol (a websocket), renders
+a page (its scripts run, its API calls answer) and gives back the page's visible text, or a screenshot.
+
+Pages are read in real time and polled until the text a test waits for is there: the UIs draw their charts and
+tables after their own fetches, which a fixed wait (or Chromium's virtual-time budget) cuts short on a loaded
+machine. `make test` installs the `chromium` package."""
 
 from __future__ import annotations
 
-import html
-import os
+import base64
+import contextlib
+import itertools
+import json
 import re
 import shutil
 import subprocess
+import tempfile
+import time
+import urllib.request
 from pathlib import Path
 
-WINDOW = "1440,900"
+from websockets.sync.client import connect
+
+WIDTH, HEIGHT = 1440, 900
 
 
 def chromium() -> str:
@@ -19,24 +30,99 @@ def chromium() -> str:
     return found
 
 
-def _run(url: str, *args: str, wait_s: int, timeout_s: int) -> subprocess.CompletedProcess:
-    # Virtual time: the page's timers and fetches run until it has been idle for wait_s of its own clock.
-    cmd = [chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--hide-scrollbars",
-           "--no-first-run", f"--window-size={WINDOW}", f"--virtual-time-budget={wait_s * 1000}", *args, url]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env={**os.environ, "HOME": os.environ.get("HOME", "/tmp")})
-    assert done.returncode == 0, f"chromium failed on {url}: {done.stderr[-2000:]}"
-    return done
+class Page:
+    """One tab of a headless Chromium of its own, spoken to with DevTools commands."""
+
+    def __init__(self, ws):
+        self._ws, self._ids = ws, itertools.count(1)
+
+    def call(self, method: str, **params) -> dict:
+        sent = next(self._ids)
+        self._ws.send(json.dumps({"id": sent, "method": method, "params": params}))
+        while True:  # events arrive in between; only our answer counts
+            message = json.loads(self._ws.recv(timeout=60))
+            if message.get("id") == sent:
+                assert "error" not in message, f"{method}: {message['error']}"
+                return message["result"]
+
+    def evaluate(self, expression: str):
+        return self.call("Runtime.evaluate", expression=expression, returnByValue=True)["result"].get("value")
+
+    def text(self) -> str:
+        return re.sub(r"\s+", " ", self.evaluate("document.body ? document.body.innerText : ''") or "").strip()
+
+    def wait_text(self, *until: str, timeout_s: float = 120, settle_s: float = 2.0) -> str:
+        """The visible text, whitespace folded: once every string in `until` shows and the text has stopped
+        changing for `settle_s` (or the time is up: the caller's assertion then says what is missing)."""
+        deadline, last, since = time.time() + timeout_s, None, time.time()
+        while time.time() < deadline:
+            text = self.text()
+            if text != last:
+                last, since = text, time.time()
+            elif all(s in text for s in until) and time.time() - since >= settle_s:
+                break
+            time.sleep(0.5)
+        return last or ""
+
+    def type_into(self, placeholder: str, value: str) -> None:
+        """Type into the input with this placeholder, as a person would (React sees an input event)."""
+        found = self.evaluate(f"""(() => {{
+            const box = document.querySelector({json.dumps(f'input[placeholder="{placeholder}"]')});
+            if (!box) return false;
+            Object.getOwnPropertyDescriptor(HTMLInputElement.prototype, "value").set.call(box, {json.dumps(value)});
+            box.dispatchEvent(new Event("input", {{bubbles: true}}));
+            return true;
+        }})()""")
+        assert found, f"no input with placeholder {placeholder!r}"
+
+    def screenshot(self, path: Path) -> Path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(base64.b64decode(self.call("Page.captureScreenshot", format="png")["data"]))
+        assert path.stat().st_size > 10_000, f"{path}: an empty page?"
+        return path
 
 
-def page_text(url: str, wait_s: int = 15, timeout_s: int = 240) -> str:
-    """The rendered page's visible text (scripts and styles dropped), whitespace folded."""
-    dom = _run(url, "--dump-dom", wait_s=wait_s, timeout_s=timeout_s).stdout
-    text = re.sub(r"<(script|style)\b.*?</\1>", " ", dom, flags=re.S)
-    return re.sub(r"\s+", " ", html.unescape(re.sub(r"<[^>]+>", " ", text))).strip()
+@contextlib.contextmanager
+def open_page(url: str):
+    with tempfile.TemporaryDirectory(prefix="alignflow-chromium-") as profile:
+        proc = subprocess.Popen([chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                                 "--hide-scrollbars", "--no-first-run", f"--user-data-dir={profile}", f"--window-size={WIDTH},{HEIGHT}",
+                                 "--remote-debugging-port=0", "about:blank"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        try:
+            port = _devtools_port(proc, Path(profile))
+            with urllib.request.urlopen(urllib.request.Request(f"http://127.0.0.1:{port}/json/new?about:blank", method="PUT"),
+                                        timeout=30) as r:
+                target = json.loads(r.read())
+            with connect(target["webSocketDebuggerUrl"], max_size=None, open_timeout=30) as ws:
+                page = Page(ws)
+                page.call("Emulation.setDeviceMetricsOverride", width=WIDTH, height=HEIGHT, deviceScaleFactor=1, mobile=False)
+                page.call("Page.navigate", url=url)
+                yield page
+        finally:
+            proc.kill()
+            proc.wait(timeout=30)
 
 
-def screenshot(url: str, path: Path, wait_s: int = 15, timeout_s: int = 240) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    _run(url, f"--screenshot={path}", wait_s=wait_s, timeout_s=timeout_s)
-    assert path.stat().st_size > 10_000, f"{path}: an empty page?"
-    return path
+def _devtools_port(proc: subprocess.Popen, profile: Path, timeout: float = 60) -> int:
+    deadline = time.time() + timeout
+    port_file = profile / "DevToolsActivePort"  # Chromium writes its chosen port here
+    while time.time() < deadline:
+        assert proc.poll() is None, f"chromium exited: {proc.stderr.read()[-2000:]}"
+        if port_file.exists() and port_file.read_text().strip():
+            return int(port_file.read_text().split()[0])
+        time.sleep(0.2)
+    raise AssertionError("chromium did not open its DevTools port")
+
+
+def page_text(url: str, *until: str, timeout_s: float = 120) -> str:
+    """The rendered page's visible text, once every string in `until` shows (see Page.wait_text)."""
+    with open_page(url) as page:
+        return page.wait_text(*until, timeout_s=timeout_s)
+
+
+def screenshot(url: str, path: Path, *until: str, timeout_s: float = 120) -> Path:
+    """A PNG of the page as a person sees it, taken once `until` shows."""
+    with open_page(url) as page:
+        page.wait_text(*until, timeout_s=timeout_s)
+        return page.screenshot(path)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import psutil
 
-from .browser import page_text, screenshot
+from .browser import open_page
 from .conftest import ROOT
 
 SCREENSHOTS_ENV = "ALIGNFLOW_SCREENSHOTS"  # a folder to keep the UI screenshots in (docs/ has the README's)
@@ -85,20 +85,26 @@ def browse_the_uis(urls: dict[str, str], summary: dict, shots: Path) -> None:
     registered model in MLflow. Each page is rendered by Chromium; one screenshot of each UI is kept."""
     prefect, mlflow = urls["prefect"].removesuffix("/api"), urls["mlflow"]
     flow_run = summary["prefect"]["flow_run_id"]
-    text = page_text(f"{prefect}/runs/flow-run/{flow_run}")
-    assert summary["prefect"]["flow_run_name"] in text and "Completed" in text and "1 Task run" in text, text[:2000]
-    assert "pipeline:e2e-ui" in text and "sft prefect.task_runs" in text  # its tags, and the sft task run's log lines
-    screenshot(f"{prefect}/runs/flow-run/{flow_run}", shots / "prefect-flow-run.png")
+    with open_page(f"{prefect}/runs/flow-run/{flow_run}") as page:
+        text = page.wait_text(summary["prefect"]["flow_run_name"], "Completed", "1 Task run", "sft prefect.task_runs")
+        assert summary["prefect"]["flow_run_name"] in text and "Completed" in text and "1 Task run" in text, text[:2000]
+        assert "pipeline:e2e-ui" in text and "sft prefect.task_runs" in text  # its tags, and the sft task run's log lines
+        page.screenshot(shots / "prefect-flow-run.png")
 
-    parent, (stage,) = summary["mlflow"]["parent_run_id"], summary["stages"]
+    (stage,) = summary["stages"]
     experiment = summary["mlflow"]["parent_run"].split("/experiments/")[1].split("/")[0]
-    runs = page_text(f"{mlflow}/#/experiments/{experiment}/runs")
-    assert "Training runs" in runs and "e2e-ui" in runs and "2 matching runs" in runs, runs[:2000]  # the parent and its child
-    assert "e2e-ui-sft v1" in runs  # the parent's registered model, in the Models column
-    screenshot(f"{mlflow}/#/experiments/{experiment}/runs", shots / "mlflow-runs.png")
-    charts = page_text(f"{mlflow}/#/experiments/{experiment}/runs/{stage['mlflow_run_id']}/model-metrics")
-    assert "Model metrics" in charts and "Step" in charts and "sft (data/eval/read)" in charts, charts[:2000]  # a chart, drawn
-    model = page_text(f"{mlflow}/#/models/e2e-ui-sft/versions/1")
-    assert "Source Run : e2e-ui" in model and "@ candidate" in model and "Lineage" in model, model[:2000]
-    assert "Inputs (2) Outputs (1)" in model  # the signature: messages or prompt in, text out
-    screenshot(f"{mlflow}/#/models/e2e-ui-sft/versions/1", shots / "mlflow-model.png")
+    with open_page(f"{mlflow}/#/experiments/{experiment}/runs") as page:
+        runs = page.wait_text("2 matching runs", "e2e-ui-sft v1")
+        assert "Training runs" in runs and "e2e-ui" in runs and "2 matching runs" in runs, runs[:2000]  # the parent and its child
+        assert "e2e-ui-sft v1" in runs  # the parent's registered model, in the Models column
+        page.screenshot(shots / "mlflow-runs.png")
+    with open_page(f"{mlflow}/#/experiments/{experiment}/runs/{stage['mlflow_run_id']}/model-metrics") as page:
+        page.wait_text("train (", timeout_s=60)
+        page.type_into("Search metric charts", "train/loss")  # as a person finds one chart among the sections
+        charts = page.wait_text("sft (train/loss)", "Step")
+        assert "train (1)" in charts and "Step" in charts and "sft (train/loss)" in charts, charts[:2000]  # the chart, drawn
+    with open_page(f"{mlflow}/#/models/e2e-ui-sft/versions/1") as page:
+        model = page.wait_text("Source Run", "@ candidate", "Inputs (2) Outputs (1)")
+        assert "Source Run : e2e-ui" in model and "@ candidate" in model and "Lineage" in model, model[:2000]
+        assert "Inputs (2) Outputs (1)" in model  # the signature: messages or prompt in, text out
+        page.screenshot(shots / "mlflow-model.png")
