@@ -27,8 +27,27 @@ from alignflow.stages.common.workers import THREADS_ENV  # set by worker groups:
 if not torch.cuda.is_available():
     os.environ.setdefault("DS_ACCELERATOR", "cpu")  # must be set before deepspeed is imported
 
-import deepspeed  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+
+
+def _import_deepspeed():
+    """DeepSpeed's autotuner imports MLflow when DeepSpeed is imported (3 s of every worker's start here), only
+    to log autotuning runs, which alignflow never starts. A process that has not imported MLflow imports
+    DeepSpeed without it; MLflow itself imports as usual afterwards (the stage's tracking imports it when needed)."""
+    import sys
+
+    if "mlflow" in sys.modules:
+        import deepspeed
+        return deepspeed
+    sys.modules["mlflow"] = None  # `import mlflow` raises ImportError while this is set
+    try:
+        import deepspeed
+    finally:
+        del sys.modules["mlflow"]
+    return deepspeed
+
+
+deepspeed = _import_deepspeed()
 
 
 def lr_lambda(optim: OptimConfig, total_steps: int):
