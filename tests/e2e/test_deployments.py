@@ -41,11 +41,27 @@ def _ts(iso: str) -> float:
     return datetime.fromisoformat(iso.replace("Z", "+00:00")).timestamp()
 
 
-def test_served_deployment_runs_from_the_prefect_cli(services, tmp_path):
-    from mlflow import MlflowClient
+# One served stage for the module: the deployment run, its retry and the work pool's run share it.
+OVERRIDES = ["storage.root=s3://alignflow-test/e2e-deploy", "sft.batch.max_steps=80", "sft.checkpoint.every_steps=10",
+             "ray.retries=0", "name=e2e-deploy", "sft.optim.lr=0.002"]
 
-    overrides = ["storage.root=s3://alignflow-test/e2e-deploy", "sft.batch.max_steps=20", "name=e2e-deploy"]
-    serve = alignflow(services, "serve", *[a for o in overrides for a in ("--set", o)], wait=False)
+
+def test_served_deployment_runs_from_the_prefect_cli_and_a_flow_run_retry_resumes_it(services, tmp_path):
+    """`alignflow serve`, then what the run form does: the config stays a path, a few values change through
+    `overrides`. Its Ray job is stopped after a checkpoint: the flow run fails; `prefect flow-run retry` resumes the
+    stage from that checkpoint."""
+    import re
+
+    from mlflow import MlflowClient
+    from ray.job_submission import JobSubmissionClient
+
+    from alignflow.infra import storage
+
+    from .conftest import ray_jobs
+    from .test_pipeline import _running_job, _wait_for_checkpoint
+
+    served = [o for o in OVERRIDES if not o.startswith("sft.optim.lr")]
+    serve = alignflow(services, "serve", *[a for o in served for a in ("--set", o)], wait=False)
     try:
         deadline = time.time() + 180
         while prefect_cli(services, "deployment", "inspect", "alignment/tiny").returncode != 0:
@@ -56,21 +72,30 @@ def test_served_deployment_runs_from_the_prefect_cli(services, tmp_path):
         for variant in ("tiny", "tiny-ppo", "tiny-grpo", "tiny-tulu3", "tiny-compare", "tiny-multiturn"):
             assert f"alignment/{variant}" in listed
         inspected = prefect_cli(services, "deployment", "inspect", "alignment/tiny-ppo").stdout
-        assert "configs/tiny-ppo.yaml" in inspected and "sft.batch.max_steps=20" in inspected  # a path, not a copy
+        assert "configs/tiny-ppo.yaml" in inspected and "sft.batch.max_steps=80" in inspected  # a path, not a copy
 
-        # What the run form does: the config stays a path; a few values change through `overrides`.
-        params = json.dumps({"overrides": [*overrides, "sft.optim.lr=0.002"]})
-        run = prefect_cli(services, "deployment", "run", "alignment/tiny", "--params", params, "--watch", "--watch-timeout", "480")
-        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-        assert "Completed" in run.stdout
+        before = ray_jobs(services)
+        started = prefect_cli(services, "deployment", "run", "alignment/tiny", "--params", json.dumps({"overrides": OVERRIDES}))
+        flow_run_id = re.search(r"UUID: ([0-9a-f-]{36})", started.stdout).group(1)
+        job = _running_job(services, before, timeout=180)
+        key = _wait_for_checkpoint("s3://alignflow-test/e2e-deploy/sft")
+        JobSubmissionClient(services["ray"]).stop_job(job)
+        assert wait_flow_run(services, flow_run_id, 300) == "FAILED"
+
+        retried_at = time.time()
+        retry = prefect_cli(services, "flow-run", "retry", flow_run_id)
+        assert retry.returncode == 0, retry.stdout + retry.stderr
+        assert wait_flow_run(services, flow_run_id, 480, after=retried_at) == "COMPLETED"
     finally:
         serve.terminate()
         serve.wait(timeout=60)
+    metrics = json.loads(storage.read_text(f"s3://alignflow-test/e2e-deploy/sft/{key}/metrics.json"))
+    assert metrics["resumed_from_step"] >= 10
 
     client = MlflowClient(services["mlflow"])
     runs = client.search_runs([client.get_experiment_by_name("alignflow").experiment_id],
-                              "tags.`alignflow.name` = 'e2e-deploy'")
-    assert runs and runs[0].info.status == "FINISHED" and runs[0].data.params["sft.optim.lr"] == "0.002"
+                              "tags.`alignflow.name` = 'e2e-deploy' and attributes.status = 'FINISHED'")
+    assert runs and runs[0].data.params["sft.optim.lr"] == "0.002"  # the run form's value
     version = client.get_model_version_by_alias("e2e-deploy-sft", "candidate")
     assert version.tags[STAGE_URI_TAG].startswith("s3://alignflow-test/e2e-deploy/") and version.source.startswith("models:/m-")
 
@@ -93,7 +118,7 @@ def test_prefect_yaml_deploys_to_a_process_work_pool_and_a_worker_runs_it(servic
                               env={**os.environ, **services["env"]}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         # The served deployment's stage settings: the worker's run is answered by the stage cache (no training).
-        overrides = ["name=e2e-worker", "storage.root=s3://alignflow-test/e2e-deploy", "sft.batch.max_steps=20", "sft.optim.lr=0.002"]
+        overrides = [*OVERRIDES, "name=e2e-worker"]
         run = prefect_cli(services, "deployment", "run", "alignment/tiny", "--params", json.dumps({"overrides": overrides}),
                           "--watch", "--watch-timeout", "480")
         assert run.returncode == 0 and "Completed" in run.stdout, run.stdout[-3000:] + run.stderr[-3000:]
@@ -104,40 +129,3 @@ def test_prefect_yaml_deploys_to_a_process_work_pool_and_a_worker_runs_it(servic
         except subprocess.TimeoutExpired:
             worker.kill()
             worker.wait(timeout=30)
-
-
-def test_prefect_flow_run_retry_resumes_the_failed_stage(services, tmp_path):
-    import re
-
-    from alignflow.infra import storage
-
-    from .test_pipeline import _running_job, _wait_for_checkpoint
-    from .conftest import ray_jobs
-
-    root = "s3://alignflow-test/e2e-retry"
-    serve = alignflow(services, "serve", "--set", f"storage.root={root}", "--set", "sft.batch.max_steps=80",
-                      "--set", "sft.checkpoint.every_steps=10", "--set", "ray.retries=0", "--set", "name=e2e-retry", wait=False)
-    try:
-        deadline = time.time() + 180
-        while prefect_cli(services, "deployment", "inspect", "alignment/tiny").returncode != 0:
-            assert time.time() < deadline and serve.poll() is None
-            time.sleep(2)
-        before = ray_jobs(services)
-        started = prefect_cli(services, "deployment", "run", "alignment/tiny")
-        flow_run_id = re.search(r"UUID: ([0-9a-f-]{36})", started.stdout).group(1)
-        job = _running_job(services, before, timeout=180)
-        key = _wait_for_checkpoint(f"{root}/sft")
-        from ray.job_submission import JobSubmissionClient
-
-        JobSubmissionClient(services["ray"]).stop_job(job)
-        assert wait_flow_run(services, flow_run_id, 300) == "FAILED"
-
-        retried_at = time.time()
-        retry = prefect_cli(services, "flow-run", "retry", flow_run_id)
-        assert retry.returncode == 0, retry.stdout + retry.stderr
-        assert wait_flow_run(services, flow_run_id, 480, after=retried_at) == "COMPLETED"
-    finally:
-        serve.terminate()
-        serve.wait(timeout=60)
-    metrics = json.loads(storage.read_text(f"{root}/sft/{key}/metrics.json"))
-    assert metrics["resumed_from_step"] >= 10

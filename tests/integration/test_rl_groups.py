@@ -4,7 +4,7 @@ trains like 1 worker per group with the same global batch, and ZeRO-3 really par
 frozen roles' weights over their workers.
 
 Cheap on purpose: the upstream SFT and reward model are trained for a few steps only (the numbers
-need not be good, only the same), and PPO runs 3 RL steps of 32 responses each."""
+need not be good, only the same), and PPO runs 2 RL steps of 32 responses each."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from .conftest import QUIET, ROOT, weights
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("ray_session")]
 
-STEPS = 3
+STEPS = 2
 # Same global batch for both runs: 8 prompts x 4 samples = 32 responses per RL step, two optimizer
 # steps of 16 each; 1 worker accumulates 2 micro-batches of 8, 2 workers take one each.
 PPO = [f"rl.batch.max_steps={STEPS}", "rl.rollout.prompts_per_step=8", "rl.generation.n_samples_per_prompt=4",
