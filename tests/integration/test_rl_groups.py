@@ -28,7 +28,7 @@ STEPS = 2
 # Same global batch for both runs: 8 prompts x 4 samples = 32 responses per RL step, two optimizer
 # steps of 16 each; 1 worker accumulates 2 micro-batches of 8, 2 workers take one each.
 PPO = [f"rl.batch.max_steps={STEPS}", "rl.rollout.prompts_per_step=8", "rl.generation.n_samples_per_prompt=4",
-       "rl.batch.global_batch_size=16", "rl.batch.micro_batch_size=8", "rl.logging.eval_every=100", "rl.checkpoint.every_steps=2",
+       "rl.batch.global_batch_size=16", "rl.batch.micro_batch_size=8", "rl.logging.eval_every=100", "rl.checkpoint.every_steps=1",
        "rl.workers.colocate=all"]
 # Per-step figures that must agree, and how closely: float32 sums in another order (gathered
 # ZeRO-3 shards, gradients reduced over 2 ranks) move them by ~1e-7 relative here.
