@@ -103,9 +103,13 @@ class Strategy:
     def _init_process_group(self) -> None:
         if dist.is_initialized():
             return
-        if "RANK" not in os.environ:
-            os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
         backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if "RANK" not in os.environ:
+            # One process: an in-memory store, no port. A port picked free here could be taken by another process
+            # before the rendezvous binds it (EADDRINUSE failed a stage job once); DeepSpeed then adopts this group.
+            os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+            if not torch.cuda.is_available():
+                dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
         if not torch.cuda.is_available():
             # DeepSpeed's CPU backend JIT-compiles a shared-memory all-reduce op in every new process (one to
             # three minutes of C++ per stage job here, rebuilt by each): gloo's all-reduce serves instead.
