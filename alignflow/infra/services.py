@@ -193,6 +193,9 @@ def start_ray_head(num_cpus: int | None = None, base: str | None = None, timeout
                    credentials=False)
 
 
+JOB_EXECUTION_ENV = "MLFLOW_SERVER_ENABLE_JOB_EXECUTION"
+
+
 def start_mlflow_server(artifacts: str, base: str | None = None, timeout: float = 120, keep: str | None = None) -> Service:
     """MLflow tracking + registry on a sqlite store, proxying artifacts to `artifacts` (folder or s3://).
     `keep`: a folder whose `mlflow/` holds the store across restarts."""
@@ -203,6 +206,9 @@ def start_mlflow_server(artifacts: str, base: str | None = None, timeout: float 
            "--serve-artifacts", "--workers", "1"]
     endpoint = os.environ.get("ALIGNFLOW_S3_ENDPOINT_URL")
     env = {"MLFLOW_S3_ENDPOINT_URL": endpoint} if endpoint else {}
+    # MLflow 3's job runner (seven huey worker processes, polling) serves GenAI evaluation jobs, which training
+    # runs never start: off unless the user turns it on.
+    env[JOB_EXECUTION_ENV] = os.environ.get(JOB_EXECUTION_ENV, "false")
     return _launch("mlflow", cmd, home, env, f"http://127.0.0.1:{port}", ["/health"], timeout)
 
 

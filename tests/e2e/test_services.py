@@ -44,6 +44,8 @@ def test_services_up_run_uis_export_down_keep_their_stores(tmp_path):
         for svc in state:
             assert svc["url"].startswith("http://127.0.0.1:") and psutil.pid_exists(svc["pid"])
         get(urls["ray"] + "/api/version"), get(urls["prefect"] + "/health"), get(urls["mlflow"] + "/health")
+        mlflow_tree = psutil.Process(next(s["pid"] for s in state if s["name"] == "mlflow")).children(recursive=True)
+        assert not [p for p in mlflow_tree if "huey" in " ".join(p.cmdline())]  # no GenAI job runner polling beside training
         assert json.loads(get(urls["prefect"].removesuffix("/api") + "/ui-settings"))["api_url"] == urls["prefect"]  # the UI talks to this port, not 4200
         status = cli(env, "services", "status")
         assert all(url.removesuffix("/api") in status.stdout for url in urls.values())
