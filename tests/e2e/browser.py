@@ -113,16 +113,3 @@ def _devtools_port(proc: subprocess.Popen, profile: Path, timeout: float = 60) -
             return int(port_file.read_text().split()[0])
         time.sleep(0.2)
     raise AssertionError("chromium did not open its DevTools port")
-
-
-def page_text(url: str, *until: str, timeout_s: float = 120) -> str:
-    """The rendered page's visible text, once every string in `until` shows (see Page.wait_text)."""
-    with open_page(url) as page:
-        return page.wait_text(*until, timeout_s=timeout_s)
-
-
-def screenshot(url: str, path: Path, *until: str, timeout_s: float = 120) -> Path:
-    """A PNG of the page as a person sees it, taken once `until` shows."""
-    with open_page(url) as page:
-        page.wait_text(*until, timeout_s=timeout_s)
-        return page.screenshot(path)

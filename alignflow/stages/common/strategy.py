@@ -105,8 +105,9 @@ class Strategy:
             return
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if "RANK" not in os.environ:
-            # One process: an in-memory store, no port. A port picked free here could be taken by another process
-            # before the rendezvous binds it (EADDRINUSE failed a stage job once); DeepSpeed then adopts this group.
+            # One process on CPU rendezvouses through an in-memory store, not a TCP store on the port picked here
+            # (another process can take that port before the store binds it: EADDRINUSE failed a stage job once).
+            # DeepSpeed adopts this group. MASTER_PORT stays set for code that reads it.
             os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
             if not torch.cuda.is_available():
                 dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
