@@ -11,8 +11,10 @@ import base64
 import contextlib
 import itertools
 import json
+import os
 import re
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
@@ -84,11 +86,12 @@ class Page:
 
 @contextlib.contextmanager
 def open_page(url: str):
-    with tempfile.TemporaryDirectory(prefix="alignflow-chromium-") as profile:
+    # Chromium's helper processes may still write to the profile for a moment after the browser is gone.
+    with tempfile.TemporaryDirectory(prefix="alignflow-chromium-", ignore_cleanup_errors=True) as profile:
         proc = subprocess.Popen([chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
                                  "--hide-scrollbars", "--no-first-run", f"--user-data-dir={profile}", f"--window-size={WIDTH},{HEIGHT}",
                                  "--remote-debugging-port=0", "about:blank"],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
         try:
             port = _devtools_port(proc, Path(profile))
             with urllib.request.urlopen(urllib.request.Request(f"http://127.0.0.1:{port}/json/new?about:blank", method="PUT"),
@@ -99,8 +102,9 @@ def open_page(url: str):
                 page.call("Emulation.setDeviceMetricsOverride", width=WIDTH, height=HEIGHT, deviceScaleFactor=1, mobile=False)
                 page.call("Page.navigate", url=url)
                 yield page
-        finally:
-            proc.kill()
+        finally:  # the browser and its renderer, GPU and crash-handler processes: its whole process group
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=30)
 
 
