@@ -21,6 +21,9 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 NOT_RESULT = {"result": False}  # json_schema_extra marker: field left out of config_hash()
+# Marker of an option added after stages were published: left out of config_hash() while it has its default, so
+# existing cached results stay valid; set, it changes the hash like any other field.
+HASHED_WHEN_SET = {"result": "when_set"}
 DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
 
 
@@ -241,6 +244,27 @@ class TrackingConfig(Frozen):
                                           "`{storage.root}/mlflow-artifacts` (a tracking server: its own artifact root).")
 
 
+class LoraConfig(Frozen):
+    """Low-rank adapters (PEFT's LoRA) instead of training every weight: only the adapters, and `modules_to_save`,
+    are trained, checkpointed and in the optimizer state; the stage publishes the merged model and the adapter."""
+
+    rank: int = Field(16, ge=1, description="r: the rank of each adapter.")
+    alpha: float = Field(32, gt=0, description="Scale: the adapter's update is multiplied by alpha / rank.")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapter's input.")
+    target_modules: Literal["all-linear"] | tuple[str, ...] = Field(
+        "all-linear", description="Module names (suffixes, e.g. [q_proj, v_proj]) that get adapters, or `all-linear` "
+                                  "(every linear layer but the output head).")
+    modules_to_save: tuple[str, ...] = Field((), description="Modules trained in full besides the adapters (e.g. "
+                                             "embed_tokens); a reward model's score head always is.")
+
+    @field_validator("target_modules")
+    @classmethod
+    def _some_targets(cls, v):
+        if not v:
+            raise ValueError("lora.target_modules is empty: name modules such as [q_proj, v_proj], or use all-linear")
+        return v
+
+
 class TrainingSection(Frozen):
     """What every training stage has: its starting model (`from:` another stage, or `model.name_or_path`),
     optimizer, batch, DeepSpeed, checkpoints, logging."""
@@ -254,6 +278,8 @@ class TrainingSection(Frozen):
     deepspeed: DeepSpeedConfig = DeepSpeedConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     logging: LoggingConfig = LoggingConfig()
+    lora: LoraConfig | None = Field(None, description="Train LoRA adapters instead of every weight (unset: full training).",
+                                    json_schema_extra=HASHED_WHEN_SET)
 
     @model_validator(mode="after")
     def _batch_divides(self) -> "TrainingSection":
@@ -274,6 +300,23 @@ class TrainingSection(Frozen):
     def sources(self) -> dict[str, str]:
         """Named files the result depends on (their content enters the cache key, not their paths)."""
         return {"data": self.data.path, **({"eval_data": self.data.eval_path} if self.data.eval_path else {})}
+
+
+class ReferenceTraining(TrainingSection):
+    """A stage compared with a frozen reference, the model it starts from (dpo, kto)."""
+
+    reference: Literal["precomputed", "on_the_fly"] = Field(
+        "precomputed", description="The reference's log-probs: computed once before the first step and stored with the "
+                                   "stage (`precomputed`), or in each step by the policy with its adapter off "
+                                   "(`on_the_fly`: needs `lora`; no stored file and no up-front pass).",
+        json_schema_extra=HASHED_WHEN_SET)
+
+    @model_validator(mode="after")
+    def _on_the_fly_needs_lora(self) -> "ReferenceTraining":
+        if self.reference == "on_the_fly" and self.lora is None:
+            raise ValueError("reference: on_the_fly computes the reference as the policy with its LoRA adapter off: it "
+                             "needs a `lora:` section (full training has no adapter to switch off; use precomputed)")
+        return self
 
 
 class GenerationConfig(Frozen):
@@ -334,9 +377,9 @@ def result_fields(model: BaseModel) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, field in type(model).model_fields.items():
         extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
-        if extra.get("result") is False:
-            continue
         value = getattr(model, name)
+        if extra.get("result") is False or (extra.get("result") == "when_set" and value == field.default):
+            continue
         out[name] = result_fields(value) if isinstance(value, BaseModel) else _plain(value)
     return out
 

@@ -85,11 +85,17 @@ def test_kto_rewards_of_desirable_and_undesirable_separate(tiny_sft, tmp_path):
 SHORT = "{s}.batch.max_steps=6 {s}.checkpoint.every_steps=2 {s}.checkpoint.keep_last=2 {s}.data.max_samples=256 {s}.logging.eval_every=3"
 
 
-@pytest.mark.parametrize("stage", ["rm", "dpo", "kto"])
-def test_killed_run_resumes_to_the_same_weights(tiny_sft, tmp_path, monkeypatch, capsys, stage):
+LORA = "{s}.lora.rank=8 {s}.lora.alpha=16"
+
+
+@pytest.mark.parametrize("stage,extra", [("rm", ""), ("dpo", ""), ("kto", ""), ("rm", LORA),
+                                         ("dpo", LORA + " {s}.reference=on_the_fly")],
+                         ids=["rm", "dpo", "kto", "rm-lora", "dpo-lora-on-the-fly"])
+def test_killed_run_resumes_to_the_same_weights(tiny_sft, tmp_path, monkeypatch, capsys, stage, extra):
+    """LoRA: checkpoints hold the adapter (and a reward model's score head), not the frozen base."""
     _, sft = tiny_sft
     main, inputs = stage_main(stage), {"from": sft["uri"]}
-    overrides = [f"{stage}.from=sft", *SHORT.format(s=stage).split()]
+    overrides = [f"{stage}.from=sft", *SHORT.format(s=stage).split(), *extra.format(s=stage).split()]
     straight = main(config(tmp_path / "a", *overrides), stage, None, inputs)
     cfg = config(tmp_path / "b", *overrides)
     monkeypatch.setenv(FAIL_AT_STEP_ENV, "5")
@@ -99,7 +105,7 @@ def test_killed_run_resumes_to_the_same_weights(tiny_sft, tmp_path, monkeypatch,
     capsys.readouterr()
     resumed = main(cfg, stage, None, inputs)
     assert resumed["resumed_from_step"] == 4
-    if stage != "rm":
+    if stage != "rm" and "on_the_fly" not in extra:
         assert "reference log-probs: loaded from" in capsys.readouterr().out  # not recomputed by the resumed policy
     a, b = weights(straight["uri"]), weights(resumed["uri"])
     assert a.keys() == b.keys()
@@ -163,10 +169,13 @@ def test_bad_input_stops_before_training(tiny_sft, tmp_path):
     assert not (tmp_path / "kto").exists()  # nothing written
 
 
-def test_reward_model_under_zero3_trains_like_zero0(tiny_sft, tmp_path):
-    """The new score head is created under ZeRO-3's partitioned init and still starts and trains the same."""
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_reward_model_under_zero3_trains_like_zero0(tiny_sft, tmp_path, lora):
+    """The new score head is created under ZeRO-3's partitioned init and still starts and trains the same; with LoRA,
+    the merged model is published from ZeRO-3's partitioned adapter and head."""
     _, sft = tiny_sft
-    common = ["rm.from=sft", "rm.batch.max_steps=4", "rm.data.max_samples=128", "rm.logging.eval_every=2"]
+    common = ["rm.from=sft", "rm.batch.max_steps=4", "rm.data.max_samples=128", "rm.logging.eval_every=2",
+              *(LORA.format(s="rm").split() if lora else [])]
     runs = [stage_main("rm")(config(tmp_path / str(z), *common, f"rm.deepspeed.zero_stage={z}"), "rm", None, {"from": sft["uri"]})
             for z in (0, 3)]
     assert losses(runs[1]["uri"]) == pytest.approx(losses(runs[0]["uri"]), rel=1e-5)

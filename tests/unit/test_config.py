@@ -55,6 +55,25 @@ def test_hash_changes_with_result_fields_only(tmp_path):
         assert load_config(path, [same]).section('sft').config_hash() == base, same
 
 
+def test_lora_settings_are_checked_at_load_and_unset_keep_the_cache_key(tmp_path, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    path = write(tmp_path, BASE)
+    # BASE's hash before the `lora:` and `reference:` options existed: results published then stay cache hits.
+    assert load_config(path).section("sft").config_hash() == "56bf56f39c322cbc5b61f9e6e0b1634fff2a5d30be9e4c6d4600f05527f4a58f"
+    assert load_config(path, ["sft.lora.rank=8"]).section("sft").config_hash() != load_config(path).section("sft").config_hash()
+    with pytest.raises(ConfigError, match="lora.rank"):
+        load_config(path, ["sft.lora.rank=0"])
+    with pytest.raises(ConfigError, match="target_modules is empty"):
+        load_config(path, ["sft.lora.target_modules=[]"])
+    tiny = ROOT / "configs" / "tiny.yaml"
+    with pytest.raises(ConfigError, match="on_the_fly computes the reference .* needs a `lora:` section"):
+        load_config(tiny, ["dpo.from=sft", "dpo.reference=on_the_fly"])
+    with pytest.raises(ConfigError, match="the rl stage does not take it yet"):
+        load_config(tiny, ["rl.from=sft", "rl.lora.rank=8"])
+    dpo = load_config(tiny, ["dpo.from=sft"]).section("dpo").config_hash()
+    assert load_config(tiny, ["dpo.from=sft", "dpo.reference=precomputed"]).section("dpo").config_hash() == dpo
+
+
 def test_overrides_parse_yaml_values_and_leave_input_alone():
     raw = {"sft": {"optim": {"lr": 1.0}}}
     out = apply_overrides(raw, ["sft.optim.lr=1e-4", "sft.batch.epochs=3", "sft.data.packing=true"])

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from alignflow.config.base import ConfigError, ModelConfig
+from alignflow.config.base import ConfigError, LoraConfig, ModelConfig
 from alignflow.infra import storage
 from alignflow.stages.common.builtin_model import cache_root, is_builtin, resolve_builtin
 
@@ -85,3 +85,36 @@ def _for_training(model: torch.nn.Module, cfg: ModelConfig) -> torch.nn.Module:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
     return model
+
+
+def with_lora(model: torch.nn.Module, lora: LoraConfig | None, reward: bool = False) -> torch.nn.Module:
+    """The model with PEFT LoRA adapters (unset: unchanged): only the adapters and `modules_to_save` stay trainable.
+    A reward model's score head is new, so it is always trained in full (PEFT's SEQ_CLS task saves it)."""
+    if lora is None:
+        return model
+    from peft import LoraConfig as PeftLoraConfig, TaskType, get_peft_model
+
+    targets = lora.target_modules if isinstance(lora.target_modules, str) else list(lora.target_modules)
+    config = PeftLoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets,
+                            modules_to_save=list(lora.modules_to_save) or None,
+                            task_type=TaskType.SEQ_CLS if reward else TaskType.CAUSAL_LM)
+    try:
+        return get_peft_model(model, config)
+    except ValueError as exc:  # e.g. a target module name the model does not have
+        raise ConfigError(f"lora: {exc}") from None
+
+
+def is_lora(model: torch.nn.Module) -> bool:
+    from peft import PeftModel
+
+    return isinstance(model, PeftModel)
+
+
+def parameter_counts(model: torch.nn.Module) -> tuple[int, int]:
+    """(trainable, total) parameters; under ZeRO-3 a partitioned parameter counts its full size (`ds_numel`)."""
+    trainable = total = 0
+    for p in model.parameters():
+        n = getattr(p, "ds_numel", p.numel())
+        total += n
+        trainable += n if p.requires_grad else 0
+    return trainable, total

@@ -8,27 +8,57 @@ The manifest covers everything but `checkpoints/`, which has manifests of its ow
 
 from __future__ import annotations
 
+import copy
 import json
 import shutil
 from pathlib import Path
 from typing import Any
 
 from alignflow.infra import manifest, storage
+from alignflow.stages.common.models import is_lora
 from alignflow.stages.common.strategy import Strategy
 
 
 def save_hf_model(strategy: Strategy, tokenizer, folder: Path) -> None:
-    """Gather full weights (ZeRO-3 included) and write an HF folder on rank 0."""
+    """Gather full weights (ZeRO-3 included) and write an HF folder on rank 0. A LoRA model is written twice: merged
+    into `folder` (a plain HF model, what downstream stages and serving load) and as its PEFT adapter beside it."""
     state = strategy.full_state_dict()
     if not strategy.is_main:
         return
-    if folder.exists():
-        shutil.rmtree(folder)
     model = strategy.unwrap()
+    for path in (folder, folder.parent / ADAPTER_DIR):
+        if path.exists():
+            shutil.rmtree(path)
+    if is_lora(model):
+        with strategy.unpartitioned_init():
+            model, state = merged_lora_model(model, state, folder.parent / ADAPTER_DIR), None
     model.config.use_cache = True  # the published model is for inference
     model.save_pretrained(folder, state_dict=state, safe_serialization=True)
     tokenizer.save_pretrained(folder)
     portable_tokenizer_config(folder)
+
+
+ADAPTER_DIR = "adapter"
+
+
+def merged_lora_model(model, state: dict, adapter_folder: Path):
+    """Write the adapter of a trained PEFT model (PEFT format, for `PeftModel.from_pretrained(base, folder)`) and
+    return the base with it merged in. The live model may be partitioned (ZeRO-3), so a CPU copy of it is built
+    from its gathered `state` and PEFT saves and merges that."""
+    from peft import get_peft_model
+
+    base = model.get_base_model()
+    config = copy.deepcopy(model.peft_config["default"])
+    cpu_copy = get_peft_model(type(base)(base.config), config)
+    missing, unexpected = cpu_copy.load_state_dict(state, strict=False, assign=True)
+    cpu_copy.get_base_model().tie_weights()  # tied weights (lm_head = embeddings) are gathered once, under one name
+    loaded = {t.data_ptr() for t in state.values()}
+    params = dict(cpu_copy.named_parameters(remove_duplicate=False))
+    untied = [k for k in missing if k not in params or params[k].data_ptr() not in loaded]
+    if untied or unexpected:
+        raise RuntimeError(f"LoRA publish: the gathered weights do not fit the model: missing {untied}, unexpected {unexpected}")
+    cpu_copy.save_pretrained(adapter_folder, safe_serialization=True)
+    return cpu_copy.merge_and_unload()
 
 
 # Keys transformers 5 writes that only it reads; the rest of a serving stack may run older versions.
@@ -95,13 +125,29 @@ def finish_publish(stage_uri: str, local: Path, files: dict[str, str | bytes], m
     return result
 
 
+def training_line(lora, params: dict[str, int]) -> str | None:
+    """The model card's line on what was trained: LoRA (rank, alpha, targets) or every weight, and how many."""
+    if not params:
+        return None
+    trained, total = params["params/trainable"], params["params/total"]
+    share = f"{trained:,} of {total:,} parameters trained ({100 * trained / max(total, 1):.2f}%)"
+    if lora is None:
+        return f"- training: full fine-tuning, {share}"
+    targets = lora.target_modules if isinstance(lora.target_modules, str) else ", ".join(lora.target_modules)
+    saved = f", modules saved in full: {', '.join(lora.modules_to_save)}" if lora.modules_to_save else ""
+    return (f"- training: LoRA, rank {lora.rank}, alpha {lora.alpha:g}, dropout {lora.dropout:g}, targets {targets}{saved}; "
+            f"{share}; `model/` has the adapter merged in, `{ADAPTER_DIR}/` is the PEFT adapter")
+
+
 def model_card(stage: str, base_model: str, data: dict[str, str], config_hash: str, cache_key: str, metrics: dict[str, float],
-               rows: dict[str, str] | None = None) -> str:
-    """`rows`: what each data file gave (`train: 4000 rows read, 3990 used, 10 skipped (...)`)."""
+               rows: dict[str, str] | None = None, training: str | None = None) -> str:
+    """`rows`: what each data file gave (`train: 4000 rows read, 3990 used, 10 skipped (...)`); `training`: what was
+    trained (`training_line`)."""
     lines = [
         f"# alignflow {stage} model",
         "",
         f"- base model: `{base_model}`",
+        *([training] if training else []),
         f"- stage config hash: `{config_hash}`",
         f"- cache key: `{cache_key}`",
         "- data:",

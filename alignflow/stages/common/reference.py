@@ -1,4 +1,4 @@
-"""Log-probs of token samples, and the frozen reference's log-probs computed once per stage.
+"""Log-probs of token samples, and the frozen reference's log-probs: computed once per stage, or on the fly (LoRA).
 
 DPO and KTO compare the policy with a frozen reference: the model the stage starts from.
 Its log-probs do not change, so they are computed once, before the first step, for every
@@ -6,18 +6,24 @@ row the stage will ever score (train, held-out, and KTO's mismatched pairs), and
 with the stage at `{stage_uri}/reference/logps.pt` under their own manifest. Training then
 needs no second model in memory and no reference forward per step, and a resumed run loads
 them instead of recomputing (it could not: its weights are no longer the reference's).
+
+With LoRA the reference is the policy with its adapter switched off, so it can also be computed
+on the fly, in each step (`reference: on_the_fly`): no up-front pass and no stored file, one
+no-gradient forward per step instead. Both modes run the reference with the adapter off.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from contextlib import contextmanager, nullcontext
+from typing import Callable, Iterator
 
 import torch
 
 from alignflow.infra import manifest, storage
 from alignflow.stages.common.data import Sample, collate
 from alignflow.stages.common.logprobs import forward_logprobs, sequence_logprobs
-from alignflow.stages.common.rowwise import Forward, all_rows
+from alignflow.stages.common.models import is_lora
+from alignflow.stages.common.rowwise import Forward, RowBuffer, all_rows
 from alignflow.stages.common.strategy import Strategy
 
 REFERENCE_MANIFEST = "REFERENCE_MANIFEST.json"
@@ -43,7 +49,8 @@ def reference_logps(strategy: Strategy, stage_uri: str, staging, sets: dict[str,
     if cached is not None:
         log(f"reference log-probs: loaded from {uri}")
         return cached
-    values = {name: all_rows(strategy, lengths, micro, forward) for name, (lengths, forward) in sets.items()}
+    with adapter_off(strategy):
+        values = {name: all_rows(strategy, lengths, micro, forward) for name, (lengths, forward) in sets.items()}
     if strategy.is_main:
         local = staging / "reference"
         local.mkdir(parents=True, exist_ok=True)
@@ -66,3 +73,45 @@ def _load(strategy: Strategy, uri: str, staging, expected: dict[str, int]) -> di
     if not strategy.broadcast_object(ok):
         return None
     return torch.load(staging / "reference" / FILE, weights_only=True)
+
+
+@contextmanager
+def adapter_off(strategy: Strategy) -> Iterator[None]:
+    """The policy as the reference: a LoRA model with its adapter disabled; any other model as it is."""
+    model = strategy.unwrap()
+    with model.disable_adapter() if is_lora(model) else nullcontext():
+        yield
+
+
+class Reference:
+    """The reference's values of each row set (`sets`: name -> (row lengths, forward over row indices)).
+    `precomputed`: the stored table (computed on the first attempt, before any step). `on_the_fly`: computed
+    when asked, with the adapter off; a whole set (held-out rows) is computed once and kept."""
+
+    def __init__(self, strategy: Strategy, mode: str, sets: dict[str, RowSet], micro: int, stage_uri: str, staging,
+                 log: Callable[[str], None] = print):
+        self.strategy, self.sets, self.micro = strategy, sets, micro
+        self.table = reference_logps(strategy, stage_uri, staging, sets, micro, log) if mode == "precomputed" else {}
+        self.on_the_fly = mode == "on_the_fly"
+
+    def rows(self, name: str, rows: list[int], mine: list[list[int]]) -> dict[str, torch.Tensor]:
+        """Values at `rows` of set `name`, in that order; `mine`: this rank's micro-batches, as positions into `rows`
+        (every rank gets every row's value)."""
+        if not self.on_the_fly:
+            return {k: v[rows] for k, v in self.table[name].items()}
+        _, forward = self.sets[name]
+        buffer = RowBuffer(len(rows))
+        self.strategy.engine.eval()
+        with torch.no_grad(), adapter_off(self.strategy):
+            for micro in mine:
+                buffer.put(micro, forward([rows[k] for k in micro]))
+        self.strategy.engine.train()
+        return buffer.gather(self.strategy)
+
+    def all(self, name: str) -> dict[str, torch.Tensor]:
+        """Values of every row of set `name`."""
+        if name not in self.table:
+            lengths, forward = self.sets[name]
+            with adapter_off(self.strategy):
+                self.table[name] = all_rows(self.strategy, lengths, self.micro, forward)
+        return self.table[name]

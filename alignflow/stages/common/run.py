@@ -17,9 +17,9 @@ from alignflow.infra import manifest, storage
 from alignflow.lineage import data_inputs, data_sources, input_digests, locate_inputs, stage_cache_key, stage_output_uri
 from alignflow.stages.common.checkpoint import Checkpointer, remove_staging, staging_dir
 from alignflow.stages.common.data import DataError, describe_rows, row_metrics, steps_per_epoch
-from alignflow.stages.common.models import fetch_published_model, resolve_model_path
+from alignflow.stages.common.models import fetch_published_model, parameter_counts, resolve_model_path
 from alignflow.stages.common.progress import MetricsLog, Timer
-from alignflow.stages.common.publish import metrics_json, model_card, publish
+from alignflow.stages.common.publish import metrics_json, model_card, publish, training_line
 from alignflow.stages.common.strategy import Strategy
 from alignflow.stages.common.tracking import StageTracking, plot_curves
 
@@ -102,6 +102,7 @@ class TrainingRun:
         self.timings: dict[str, float] = {}
         self.start_step, self.total_steps = 0, 0
         self.resumed_state: dict[str, Any] = {}  # the client state of the checkpoint a run resumed from
+        self.params: dict[str, int] = {}  # trained and total parameters of a stage trained in this process
 
     def cached_result(self) -> dict[str, Any]:
         print(f"{self.stage}: already complete at {self.out} (cache key {self.key})", flush=True)
@@ -131,6 +132,8 @@ class TrainingRun:
 
     def start(self, strategy: Strategy, total_steps: int, headline: str, evaluate: Callable[[], dict[str, float]]) -> int:
         """Checkpoints, resume, metrics log and MLflow for a stage trained in this process."""
+        trainable, total = parameter_counts(strategy.unwrap())
+        self.params = {"params/trainable": trainable, "params/total": total}
         trainer = LocalTrainer(strategy, Checkpointer(strategy, self.out, self.section.checkpoint.keep_last, self.staging))
         return self.start_with(trainer, total_steps, headline, evaluate)
 
@@ -192,7 +195,7 @@ class TrainingRun:
         final = {**(final or {}), **row_metrics(data_stats)}
         self.tracking.log_metrics(self.total_steps, final)
         self.tracking.log_params({f"data.{part}.rows": line for part, line in rows.items()})
-        summary = {**self.log.summary(), **final, **self.timings}
+        summary = {**self.log.summary(), **final, **self.timings, **self.params}
         first = self.log.history[0] if self.log.history and self.log.history[0]["step"] == 0 else {}
         summary.update({f"{k}_initial": v for k, v in first.items() if k.startswith("eval/")})
         files: dict[str, str | bytes] = {}
@@ -203,7 +206,8 @@ class TrainingRun:
             files = {
                 "config.yaml": dump_config(self.cfg),
                 "metrics.json": metrics_json(self.log.history, summary, {"data": data_stats, "resumed_from_step": self.start_step or None}),
-                "MODEL_CARD.md": model_card(name, self.base_model_name, sources, self.section.config_hash(), self.key, summary, rows),
+                "MODEL_CARD.md": model_card(name, self.base_model_name, sources, self.section.config_hash(), self.key, summary, rows,
+                                            training_line(self.section.lora, self.params)),
                 "curves.png": plot.read_bytes(),
             }
         inputs = {**self.fingerprints, **{f"upstream:{n}": {"uri": u, "digest": self.input_digests[n]} for n, u in self.inputs.items()}}

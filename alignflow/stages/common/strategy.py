@@ -78,6 +78,7 @@ class Strategy:
     def __init__(self, ds: DeepSpeedConfig, batch: BatchConfig, optim: OptimConfig | None):
         self.ds, self.batch, self.optim = ds, batch, optim
         self.engine = None
+        self.frozen_params = False  # some parameters are not trained (LoRA): checkpoints hold only the trained ones
         self._hf_ds_config = None
         self._grad_norm = float("nan")
         self._init_process_group()
@@ -147,8 +148,25 @@ class Strategy:
         self._hf_ds_config = HfDeepSpeedConfig(self.ds_config())  # transformers reads it while it stays alive
         yield
 
+    @contextmanager
+    def unpartitioned_init(self) -> Iterator[None]:
+        """Context for building a whole model on this process (a CPU copy to publish from): not partitioned even
+        under ZeRO-3."""
+        if self._hf_ds_config is None:
+            yield
+            return
+        from transformers.integrations.deepspeed import set_hf_deepspeed_config, unset_hf_deepspeed_config
+
+        unset_hf_deepspeed_config()
+        try:
+            yield
+        finally:
+            set_hf_deepspeed_config(self._hf_ds_config)
+
     def prepare(self, model: torch.nn.Module, total_steps: int) -> Any:
         params = [p for p in model.parameters() if p.requires_grad]
+        # LoRA: the frozen base is the starting model, which the stage loads anyway; checkpoints leave it out.
+        self.frozen_params = len(params) < len(list(model.parameters()))
         decay = [p for p in params if p.ndim >= 2]
         no_decay = [p for p in params if p.ndim < 2]
         groups = [{"params": decay, "weight_decay": self.optim.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
@@ -232,10 +250,21 @@ class Strategy:
     # ---------------------------------------------------------------- checkpoints and weights
 
     def save_checkpoint(self, folder: str, tag: str, client_state: dict[str, Any]) -> None:
-        self.engine.save_checkpoint(folder, tag=tag, client_state=client_state, save_latest=False)
+        if self.frozen_params and "module_state_dict" not in vars(self.engine):
+            self.engine.module_state_dict = self._trained_state_dict
+        self.engine.save_checkpoint(folder, tag=tag, client_state=client_state, save_latest=False,
+                                    exclude_frozen_parameters=self.frozen_params)
+
+    def _trained_state_dict(self, **kwargs) -> dict[str, torch.Tensor]:
+        """DeepSpeed's module state without frozen weights, tied ones included: DeepSpeed drops a frozen weight by its
+        first name only, so a frozen embedding tied to the output head was saved under the head's name."""
+        state = type(self.engine).module_state_dict(self.engine, **kwargs)
+        frozen = {n for n, p in self.engine.module.named_parameters(remove_duplicate=False) if not p.requires_grad}
+        return {k: v for k, v in state.items() if k not in frozen}
 
     def load_checkpoint(self, folder: str, tag: str) -> dict[str, Any]:
-        path, client_state = self.engine.load_checkpoint(folder, tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True)
+        path, client_state = self.engine.load_checkpoint(folder, tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True,
+                                                         load_module_strict=not self.frozen_params)
         if path is None:
             raise RuntimeError(f"DeepSpeed could not load checkpoint {tag!r} from {folder}")
         return client_state

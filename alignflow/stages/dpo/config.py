@@ -6,10 +6,10 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from alignflow.config.base import PreferenceDataConfig, TrainingSection
+from alignflow.config.base import PreferenceDataConfig, ReferenceTraining
 
 
-class DPOConfig(TrainingSection):
+class DPOConfig(ReferenceTraining):
     """DPO / cDPO / IPO against a frozen reference (the starting model)."""
 
     kind: Literal["dpo"] = "dpo"

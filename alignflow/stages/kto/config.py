@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from alignflow.config.base import DataSource, TrainingSection
+from alignflow.config.base import DataSource, ReferenceTraining
 
 
 class KTODataConfig(DataSource):
@@ -18,7 +18,7 @@ class KTODataConfig(DataSource):
 
 
 
-class KTOConfig(TrainingSection):
+class KTOConfig(ReferenceTraining):
     """KTO on unpaired desirable / undesirable completions."""
 
     kind: Literal["kto"] = "kto"

@@ -7,7 +7,7 @@ The KL reference point of each optimizer step (see `losses.py`) pairs the prompt
 k of the step's global batch with the completion at position k+1 (cyclically): mismatched
 pairs from the batch itself, as in the paper. Batches are a function of (seed, step), so
 these pairs are known before training and the reference's log-probs of them are computed
-once with the rest. The policy's side is a no-gradient forward over the whole step before
+once with the rest (or, with LoRA and `reference: on_the_fly`, in each step with the adapter off). The policy's side is a no-gradient forward over the whole step before
 its micro-batches, so every micro-batch and worker uses the same z0: the update does not
 depend on how the step is split.
 """
@@ -22,9 +22,9 @@ from alignflow.config import PipelineConfig
 from alignflow.stages.kto.config import KTOConfig
 from alignflow.stages.common.checkpoint import seed_everything
 from alignflow.stages.common.data import Sample, global_batch
-from alignflow.stages.common.models import load_causal_lm, load_tokenizer
+from alignflow.stages.common.models import load_causal_lm, load_tokenizer, with_lora
 from alignflow.stages.common.progress import Timer
-from alignflow.stages.common.reference import reference_logps, sequence_logps
+from alignflow.stages.common.reference import Reference, sequence_logps
 from alignflow.stages.common.rowwise import RowBuffer, all_rows, step_rows
 from alignflow.stages.common.run import TrainingRun, total_steps
 from alignflow.stages.common.strategy import Strategy
@@ -69,15 +69,15 @@ def main(cfg: PipelineConfig, stage: str, output_uri: str | None = None, inputs:
     strategy = Strategy(kto.deepspeed, kto.batch, kto.optim)
     seed_everything(kto.batch.seed + strategy.rank)
     with strategy.model_init():
-        model = load_causal_lm(base, kto.model)
+        model = with_lora(load_causal_lm(base, kto.model), kto.lora)
     strategy.prepare(model, steps)
     logps = lambda samples: {"logps": sequence_logps(strategy.engine, samples, tokenizer.pad_token_id, strategy.device)}  # noqa: E731
     of = lambda samples: (lengths(samples), lambda rows: logps([samples[i] for i in rows]))  # noqa: E731
     clock = Timer()
-    # Before resume: the weights are still the reference's.
-    ref = reference_logps(strategy, run.out, run.staging, {"train": of(train.samples), "train_kl": of(train.mismatched),
-                                                           "eval": of(held.samples), "eval_kl": of(held.mismatched)},
-                          kto.batch.micro_batch_size)
+    # Before resume: the weights are still the reference's (and with LoRA the adapter is switched off).
+    ref = Reference(strategy, kto.reference, {"train": of(train.samples), "train_kl": of(train.mismatched),
+                                              "eval": of(held.samples), "eval_kl": of(held.mismatched)},
+                    kto.batch.micro_batch_size, run.out, run.staging)
     run.timings["time/reference_s"] = clock.lap()
     evaluate = lambda: held_out(strategy, held, ref, kto, logps)  # noqa: E731
     run.start(strategy, steps, "rows_per_s", evaluate)
@@ -93,36 +93,38 @@ def loss_of(policy: torch.Tensor, ref: torch.Tensor, desirable: torch.Tensor, kl
     return kto_loss(policy, ref.to(policy.device), desirable.to(policy.device), kl, kto.beta, kto.desirable_weight, kto.undesirable_weight)
 
 
-def train_step(strategy: Strategy, data: KTOData, ref, step: int, kto: KTOConfig, logps) -> dict[str, float]:
+def train_step(strategy: Strategy, data: KTOData, ref: Reference, step: int, kto: KTOConfig, logps) -> dict[str, float]:
     timer = Timer()
     indices, mine = step_rows(strategy, len(data.samples), lengths(data.samples), kto.batch, step)
     g, lr = len(indices), strategy.lr()
     first = step * g  # this step's mismatched samples are data.mismatched[first:first + g]
+    ref_kl = ref.rows("train_kl", list(range(first, first + g)), mine)["logps"]
+    step_ref = ref.rows("train", indices, mine)["logps"]
     with torch.no_grad():  # the policy's side of the KL reference point, over the whole step
         mismatched = RowBuffer(g)
         for micro in mine:
             mismatched.put(micro, logps([data.mismatched[first + k] for k in micro]))
-        kl = kto_reference_point(mismatched.gather(strategy)["logps"], ref["train_kl"]["logps"][first:first + g])
+        kl = kto_reference_point(mismatched.gather(strategy)["logps"], ref_kl)
     step_logps = RowBuffer(g)
     for micro in mine:
         rows = [indices[k] for k in micro]
         policy = logps([data.samples[i] for i in rows])["logps"]
-        loss, _ = loss_of(policy, ref["train"]["logps"][rows], data.desirable[rows], kl, kto)
+        loss, _ = loss_of(policy, step_ref[micro], data.desirable[rows], kl, kto)
         strategy.backward(loss * (len(micro) / g))  # this micro-batch's share of the step mean
         strategy.step()
         step_logps.put(micro, {"logps": policy})
-    loss, m = loss_of(step_logps.gather(strategy)["logps"], ref["train"]["logps"][indices], data.desirable[indices], kl, kto)
+    loss, m = loss_of(step_logps.gather(strategy)["logps"], step_ref, data.desirable[indices], kl, kto)
     seconds = timer.lap()
     return {"loss": float(loss), **{k: float(v) for k, v in m.items()}, "lr": lr, "grad_norm": strategy.grad_norm(),
             "rows_per_s": g / seconds, "step_time_s": seconds}
 
 
-def held_out(strategy: Strategy, data: KTOData, ref, kto: KTOConfig, logps) -> dict[str, float]:
+def held_out(strategy: Strategy, data: KTOData, ref: Reference, kto: KTOConfig, logps) -> dict[str, float]:
     if len(data.samples) < 2:
         return {}
     micro = kto.batch.micro_batch_size
     policy = all_rows(strategy, lengths(data.samples), micro, lambda rows: logps([data.samples[i] for i in rows]))["logps"]
     policy_kl = all_rows(strategy, lengths(data.mismatched), micro, lambda rows: logps([data.mismatched[i] for i in rows]))["logps"]
-    kl = kto_reference_point(policy_kl, ref["eval_kl"]["logps"])
-    loss, m = loss_of(policy, ref["eval"]["logps"], data.desirable, kl, kto)
+    kl = kto_reference_point(policy_kl, ref.all("eval_kl")["logps"])
+    loss, m = loss_of(policy, ref.all("eval")["logps"], data.desirable, kl, kto)
     return {"eval/loss": float(loss), **{f"eval/{k}": float(v) for k, v in m.items()}}

@@ -20,7 +20,7 @@ import torch
 from alignflow.config import PipelineConfig
 from alignflow.stages.rm.config import RMConfig
 from alignflow.stages.common.checkpoint import seed_everything
-from alignflow.stages.common.models import REWARD_MEAN, REWARD_STD, load_reward_model, load_tokenizer
+from alignflow.stages.common.models import REWARD_MEAN, REWARD_STD, load_reward_model, load_tokenizer, with_lora
 from alignflow.stages.common.pairs import Pair, load_pairs, pair_rewards
 from alignflow.stages.common.progress import Timer
 from alignflow.stages.common.rowwise import RowBuffer, all_rows, step_rows
@@ -46,7 +46,7 @@ def main(cfg: PipelineConfig, stage: str, output_uri: str | None = None, inputs:
     strategy = Strategy(rm.deepspeed, rm.batch, rm.optim)
     seed_everything(rm.batch.seed)  # the new score head starts the same on every rank
     with strategy.model_init():
-        model = load_reward_model(base, rm.model, tokenizer.pad_token_id)
+        model = with_lora(load_reward_model(base, rm.model, tokenizer.pad_token_id), rm.lora, reward=True)
     seed_everything(rm.batch.seed + strategy.rank)
     strategy.prepare(model, steps)
     head = strategy.unwrap().score

@@ -22,7 +22,7 @@ from alignflow.stages.sft.config import SFTConfig
 from alignflow.stages.common.checkpoint import seed_everything
 from alignflow.stages.common.data import Sample, collate, global_batch, pack, rank_micro_batches
 from alignflow.stages.common.logprobs import forward_logprobs, sequence_logprobs
-from alignflow.stages.common.models import load_causal_lm, load_tokenizer
+from alignflow.stages.common.models import load_causal_lm, load_tokenizer, with_lora
 from alignflow.stages.common.progress import Timer
 from alignflow.stages.common.rowwise import all_rows
 from alignflow.stages.common.run import FAIL_AT_STEP_ENV, InjectedFailure, TrainingRun, total_steps  # noqa: F401 (re-exported)
@@ -60,7 +60,7 @@ def main(cfg: PipelineConfig, stage: str, output_uri: str | None = None, inputs:
     strategy = Strategy(sft.deepspeed, sft.batch, sft.optim)
     seed_everything(sft.batch.seed + strategy.rank)
     with strategy.model_init():
-        model = load_causal_lm(base, sft.model)
+        model = with_lora(load_causal_lm(base, sft.model), sft.lora)
     strategy.prepare(model, steps)
     evaluate = lambda: held_out_loss(strategy, data, sft.batch.micro_batch_size, tokenizer.pad_token_id)  # noqa: E731
     run.start(strategy, steps, "tokens_per_s", evaluate)
