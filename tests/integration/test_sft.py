@@ -80,6 +80,19 @@ def test_killed_run_resumes_to_the_same_weights(tmp_path, monkeypatch, caplog):
     assert losses(straight["uri"]) == losses(resumed["uri"])
 
 
+def test_lora_sft_learns_from_the_random_base(tmp_path):
+    """LoRA adapts a trained model: on builtin:tiny's random weights a rank-16 update per matrix learns far less than
+    full training (measured over the full 290 steps: held-out loss 4.68 -> 3.68 with LoRA, -> 0.57 in full), so the
+    full test's threshold (a third of the start) does not apply; 60 steps must still take off a tenth. ZeRO-2."""
+    result = main(sft_config(tmp_path, "sft.lora.rank=16", "sft.optim.lr=1e-2", "sft.batch.max_steps=60",
+                             "sft.deepspeed.zero_stage=2", "sft.checkpoint.every_steps=30"), "sft")
+    m = result["metrics"]
+    print(f"LoRA sft: held-out loss {m['eval/loss_initial']:.3f} -> {m['eval/loss']:.3f}")
+    assert m["eval/loss"] < 0.9 * m["eval/loss_initial"]
+    assert m["params/trainable"] < m["params/total"] / 5
+    assert {"adapter/adapter_model.safetensors", "model/model.safetensors"} <= set(manifest.verify(result["uri"]).files)
+
+
 @pytest.mark.parametrize("zero_stage", [2, 3])
 def test_zero_stages_train_like_plain_data_parallel(tmp_path, zero_stage):
     steps = ("sft.batch.max_steps=10",)
@@ -91,10 +104,11 @@ def test_zero_stages_train_like_plain_data_parallel(tmp_path, zero_stage):
         torch.testing.assert_close(b[name], a[name], atol=1e-5, rtol=1e-4)
 
 
-def test_two_workers_match_one_worker(tmp_path):
+@pytest.mark.parametrize("lora", [[], ["sft.lora.rank=8", "sft.optim.lr=1e-2"]], ids=["full", "lora"])
+def test_two_workers_match_one_worker(tmp_path, lora):
     """Same global batch over 2 gloo workers (accumulation 1) vs 1 worker (accumulation 2), with packing."""
     overrides = ["sft.batch.max_steps=8", "sft.data.packing=true", "sft.batch.global_batch_size=8",
-                 "sft.batch.micro_batch_size=4", "sft.logging.progress=false", f"storage.root={tmp_path}/two"]
+                 "sft.batch.micro_batch_size=4", *lora, "sft.logging.progress=false", f"storage.root={tmp_path}/two"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
            f"--master_port={free_port()}", "-m", "alignflow.stages", "--config", "configs/tiny.yaml",
            "--stage", "sft"]
@@ -103,7 +117,7 @@ def test_two_workers_match_one_worker(tmp_path):
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     two = json.loads((tmp_path / "two.json").read_text())
-    one = main(sft_config(tmp_path / "one", *overrides[:4]), "sft")
+    one = main(sft_config(tmp_path / "one", *overrides[:-2]), "sft")
     print("1 worker:", losses(one["uri"]), "\n2 workers:", losses(two["uri"]))
     assert losses(two["uri"]) == pytest.approx(losses(one["uri"]), rel=1e-5)
     a, b = weights(one["uri"]), weights(two["uri"])

@@ -68,8 +68,6 @@ def test_lora_settings_are_checked_at_load_and_unset_keep_the_cache_key(tmp_path
     tiny = ROOT / "configs" / "tiny.yaml"
     with pytest.raises(ConfigError, match="on_the_fly computes the reference .* needs a `lora:` section"):
         load_config(tiny, ["dpo.from=sft", "dpo.reference=on_the_fly"])
-    with pytest.raises(ConfigError, match="the rl stage does not take it yet"):
-        load_config(tiny, ["rl.from=sft", "rl.lora.rank=8"])
     dpo = load_config(tiny, ["dpo.from=sft"]).section("dpo").config_hash()
     assert load_config(tiny, ["dpo.from=sft", "dpo.reference=precomputed"]).section("dpo").config_hash() == dpo
 

@@ -94,6 +94,10 @@ def with_lora(model: torch.nn.Module, lora: LoraConfig | None, reward: bool = Fa
         return model
     from peft import LoraConfig as PeftLoraConfig, TaskType, get_peft_model
 
+    tied = {"embed_tokens", "lm_head"} & set(lora.modules_to_save) if getattr(model.config, "tie_word_embeddings", False) else set()
+    if tied:  # PEFT would train a copy of one side and leave the other tied to the frozen original
+        raise ConfigError(f"lora.modules_to_save: {', '.join(sorted(tied))} is tied to the other of embed_tokens/lm_head "
+                          "in this model (tie_word_embeddings); leave it out, or train in full")
     targets = lora.target_modules if isinstance(lora.target_modules, str) else list(lora.target_modules)
     config = PeftLoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets,
                             modules_to_save=list(lora.modules_to_save) or None,
@@ -118,3 +122,28 @@ def parameter_counts(model: torch.nn.Module) -> tuple[int, int]:
         total += n
         trainable += n if p.requires_grad else 0
     return trainable, total
+
+
+PEFT_PREFIX = "base_model.model."  # a PeftModel's parameter names are the base model's under this prefix
+
+
+def merged_state_dict(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The weights of a LoRA `model` with its adapter merged, under the base model's own names (what an engine or
+    `from_pretrained` loads), from `state`: the model's full, gathered state (PEFT names). Each adapted linear layer
+    becomes W + (alpha / r) * B @ A (Hu et al. 2021, Eq. 3); a module saved in full takes its trained copy's weights."""
+    from peft.tuners.lora import LoraLayer
+
+    out = {}
+    for key, value in state.items():
+        name = key.removeprefix(PEFT_PREFIX)
+        if ".lora_" in name or ".original_module." in name:
+            continue
+        out[name.replace(".base_layer.", ".").replace(".modules_to_save.default.", ".")] = value
+    for path, module in model.named_modules():
+        if isinstance(module, LoraLayer) and "default" in module.lora_A:
+            if getattr(module, "fan_in_fan_out", False) or module.use_dora.get("default"):
+                raise NotImplementedError(f"{path}: merging fan_in_fan_out or DoRA adapters is not supported")
+            a, b = state[f"{path}.lora_A.default.weight"], state[f"{path}.lora_B.default.weight"]
+            name = f"{path}.weight".removeprefix(PEFT_PREFIX)
+            out[name] = out[name] + (b.float() @ a.float() * module.scaling["default"]).to(out[name].dtype)
+    return out

@@ -102,3 +102,10 @@ class Timer:
         now = time.perf_counter()
         elapsed, self.start = now - self.start, now
         return elapsed
+
+
+def peak_rss_mib() -> float:
+    """This process's peak resident memory so far (Linux reports KiB)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

@@ -8,14 +8,13 @@ The manifest covers everything but `checkpoints/`, which has manifests of its ow
 
 from __future__ import annotations
 
-import copy
 import json
 import shutil
 from pathlib import Path
 from typing import Any
 
 from alignflow.infra import manifest, storage
-from alignflow.stages.common.models import is_lora
+from alignflow.stages.common.models import is_lora, merged_state_dict
 from alignflow.stages.common.strategy import Strategy
 
 
@@ -26,12 +25,12 @@ def save_hf_model(strategy: Strategy, tokenizer, folder: Path) -> None:
     if not strategy.is_main:
         return
     model = strategy.unwrap()
-    for path in (folder, folder.parent / ADAPTER_DIR):
+    for path in (folder, *([folder.parent / ADAPTER_DIR] if is_lora(model) else [])):
         if path.exists():
             shutil.rmtree(path)
-    if is_lora(model):
-        with strategy.unpartitioned_init():
-            model, state = merged_lora_model(model, state, folder.parent / ADAPTER_DIR), None
+    if is_lora(model):  # PEFT keeps the adapter's part of the gathered state; the merged model is the base's names
+        model.save_pretrained(folder.parent / ADAPTER_DIR, state_dict=state, safe_serialization=True)
+        model, state = model.get_base_model(), merged_state_dict(model, state)
     model.config.use_cache = True  # the published model is for inference
     model.save_pretrained(folder, state_dict=state, safe_serialization=True)
     tokenizer.save_pretrained(folder)
@@ -39,26 +38,6 @@ def save_hf_model(strategy: Strategy, tokenizer, folder: Path) -> None:
 
 
 ADAPTER_DIR = "adapter"
-
-
-def merged_lora_model(model, state: dict, adapter_folder: Path):
-    """Write the adapter of a trained PEFT model (PEFT format, for `PeftModel.from_pretrained(base, folder)`) and
-    return the base with it merged in. The live model may be partitioned (ZeRO-3), so a CPU copy of it is built
-    from its gathered `state` and PEFT saves and merges that."""
-    from peft import get_peft_model
-
-    base = model.get_base_model()
-    config = copy.deepcopy(model.peft_config["default"])
-    cpu_copy = get_peft_model(type(base)(base.config), config)
-    missing, unexpected = cpu_copy.load_state_dict(state, strict=False, assign=True)
-    cpu_copy.get_base_model().tie_weights()  # tied weights (lm_head = embeddings) are gathered once, under one name
-    loaded = {t.data_ptr() for t in state.values()}
-    params = dict(cpu_copy.named_parameters(remove_duplicate=False))
-    untied = [k for k in missing if k not in params or params[k].data_ptr() not in loaded]
-    if untied or unexpected:
-        raise RuntimeError(f"LoRA publish: the gathered weights do not fit the model: missing {untied}, unexpected {unexpected}")
-    cpu_copy.save_pretrained(adapter_folder, safe_serialization=True)
-    return cpu_copy.merge_and_unload()
 
 
 # Keys transformers 5 writes that only it reads; the rest of a serving stack may run older versions.

@@ -18,7 +18,7 @@ from alignflow.lineage import data_inputs, data_sources, input_digests, locate_i
 from alignflow.stages.common.checkpoint import Checkpointer, remove_staging, staging_dir
 from alignflow.stages.common.data import DataError, describe_rows, row_metrics, steps_per_epoch
 from alignflow.stages.common.models import fetch_published_model, parameter_counts, resolve_model_path
-from alignflow.stages.common.progress import MetricsLog, Timer
+from alignflow.stages.common.progress import MetricsLog, Timer, peak_rss_mib
 from alignflow.stages.common.publish import metrics_json, model_card, publish, training_line
 from alignflow.stages.common.strategy import Strategy
 from alignflow.stages.common.tracking import StageTracking, plot_curves
@@ -184,6 +184,8 @@ class TrainingRun:
                 raise InjectedFailure(f"{FAIL_AT_STEP_ENV}={fail_at}: failing after step {number}")
         self.log.close()
         self.timings["time/train_s"] = self.clock.lap()
+        if isinstance(self.trainer, LocalTrainer):  # RL trains in its workers, which report their own
+            self.timings["memory/peak_rss_mib"] = peak_rss_mib()
 
     # ------------------------------------------------------------------ publish
 

@@ -148,21 +148,6 @@ class Strategy:
         self._hf_ds_config = HfDeepSpeedConfig(self.ds_config())  # transformers reads it while it stays alive
         yield
 
-    @contextmanager
-    def unpartitioned_init(self) -> Iterator[None]:
-        """Context for building a whole model on this process (a CPU copy to publish from): not partitioned even
-        under ZeRO-3."""
-        if self._hf_ds_config is None:
-            yield
-            return
-        from transformers.integrations.deepspeed import set_hf_deepspeed_config, unset_hf_deepspeed_config
-
-        unset_hf_deepspeed_config()
-        try:
-            yield
-        finally:
-            set_hf_deepspeed_config(self._hf_ds_config)
-
     def prepare(self, model: torch.nn.Module, total_steps: int) -> Any:
         params = [p for p in model.parameters() if p.requires_grad]
         # LoRA: the frozen base is the starting model, which the stage loads anyway; checkpoints leave it out.

@@ -153,13 +153,6 @@ class RLConfig(TrainingSection):
     workers: WorkersConfig = WorkersConfig()
 
     @model_validator(mode="after")
-    def _no_lora_yet(self) -> "RLConfig":
-        if self.lora is not None:
-            raise ValueError("lora: LoRA trains sft, rm, dpo and kto stages; the rl stage does not take it yet "
-                             "(its actor trains every weight): remove the `lora:` section")
-        return self
-
-    @model_validator(mode="after")
     def _one_reward_source(self) -> "RLConfig":
         given = [name for name, on in (("reward.function", bool(self.reward.function)), ("reward.model", bool(self.reward.model)),
                                        ("environment", self.environment is not None)) if on]

@@ -73,6 +73,7 @@ def main(cfg: PipelineConfig, stage: str, output_uri: str | None = None, inputs:
     roles = None
     try:
         roles = Roles(rl, base, reward_model, tokenizer.pad_token_id, steps, run.out, run.key)
+        run.params = dict(zip(("params/trainable", "params/total"), roles.actor.call("parameter_counts")[0]))
         loop = Loop(rl, train, held, tokenizer, roles, make_executor(rl, tokenizer, roles, function, environment))
         run.start_with(RLTrainer(roles, run.key), steps, "gen_tokens_per_s", loop.evaluate)
         loop.kl_coef = run.resumed_state.get("kl_coef", rl.kl.coef)
@@ -118,7 +119,8 @@ class Roles:
     def __init__(self, rl: RLConfig, base: str, reward_model: str | None, pad_id: int, steps: int, out: str, key: str):
         self.rl, est = rl, rl.advantage.estimator
         wanted = {"actor": rl.workers.actor, "rollout": rl.generation.engines}
-        if rl.kl.coef > 0 or rl.kl.target is not None:
+        self.needs_reference = rl.kl.coef > 0 or rl.kl.target is not None
+        if self.needs_reference and rl.lora is None:  # under LoRA the reference is the actor with its adapter off
             wanted["reference"] = rl.workers.reference
         if est.needs_critic:
             wanted["critic"] = rl.workers.critic
@@ -140,6 +142,7 @@ class Roles:
             self.shutdown()  # no actor or placement group outlives a failed start
             raise
         self.actor, self.rollout = self.groups["actor"], self.groups["rollout"]
+        print("rl: worker groups " + ", ".join(f"{role} x{len(self.slots[role])}" for role in self.slots), flush=True)
         self.reference, self.critic, self.reward = (self.groups.get(r) for r in ("reference", "critic", "reward"))
 
     def _plan(self, wanted: dict[str, int]) -> dict[str, list]:
@@ -192,6 +195,13 @@ class Roles:
 
     def score(self, sequences: list[list[int]]) -> torch.Tensor:
         return self.reward.call("score", sequences)[0]
+
+    def reference_logprobs(self, exp: Experience) -> torch.Tensor | None:
+        """The reference's log-probs when the KL needs them: the reference role's, or under LoRA the actor's with its
+        adapter off. Every worker of the role computes its share of the rows."""
+        if not self.needs_reference:
+            return None
+        return self.reference.call("logprobs", exp)[0] if self.reference else self.actor.call("reference_logprobs", exp)[0]
 
     def sync_weights(self) -> None:
         """The actor's full weights to every rollout worker, through the object store."""
@@ -246,7 +256,7 @@ class Loop:
         clock.lap("generate_and_score")
         exp = Experience.from_rollouts(episodes.rollouts, self.tokenizer.pad_token_id)
         old_logp = roles.actor.call("logprobs", exp)[0]
-        ref_logp = roles.reference.call("logprobs", exp)[0] if roles.reference else None  # every worker: its share of rows
+        ref_logp = roles.reference_logprobs(exp)
         values = roles.critic.call("values", exp)[0] if roles.critic else None
         clock.lap("inference")
         kl = kl_per_token(old_logp, ref_logp, rl.kl.estimator) * exp.mask if ref_logp is not None else None

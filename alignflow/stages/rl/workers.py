@@ -23,8 +23,10 @@ from alignflow.infra import storage
 from alignflow.stages.common.checkpoint import Checkpointer, seed_everything, staging_dir
 from alignflow.stages.common.data import rank_micro_batches
 from alignflow.stages.common.generation import HFGenerator, Rollout, SamplingParams
-from alignflow.stages.common.models import load_causal_lm, load_reward_model, load_tokenizer
+from alignflow.stages.common.models import is_lora, load_causal_lm, parameter_counts, load_reward_model, load_tokenizer, merged_state_dict, with_lora
+from alignflow.stages.common.reference import adapter_off
 from alignflow.stages.common.rowwise import all_rows
+from alignflow.stages.common.progress import peak_rss_mib
 from alignflow.stages.common.strategy import THREADS_ENV
 from alignflow.stages.common.workers import Worker
 from alignflow.stages.rl.experience import Experience, response_logprobs, response_values
@@ -112,13 +114,21 @@ class ActorWorker(TrainedRole):
     def setup(self, rl: RLConfig, model_path: str, total_steps: int, stage_uri: str, key: str) -> None:
         seed_everything(rl.batch.seed)
         self.tokenizer = load_tokenizer(model_path)
-        self._init(rl, lambda: load_causal_lm(model_path, rl.model), rl.optim, total_steps, stage_uri, key)
+        self._init(rl, lambda: with_lora(load_causal_lm(model_path, rl.model), rl.lora), rl.optim, total_steps, stage_uri, key)
         seed_everything(rl.batch.seed + self.strategy.rank)
 
     def logprobs(self, exp: Experience) -> torch.Tensor:
         temperature = self.rl.generation.temperature
         return per_row(self.strategy, self.rl.batch.micro_batch_size, exp,
                        lambda sub: response_logprobs(self.strategy.engine, sub, temperature)[0])
+
+    def parameter_counts(self) -> tuple[int, int]:
+        return parameter_counts(self.strategy.unwrap())
+
+    def reference_logprobs(self, exp: Experience) -> torch.Tensor:
+        """The reference's log-probs under LoRA: the policy with its adapter off (no reference role)."""
+        with adapter_off(self.strategy):
+            return self.logprobs(exp)
 
     def train(self, exp: Experience, old_logp: torch.Tensor, advantages: torch.Tensor, ref_logp: torch.Tensor | None,
               kl_coef: float, step: int) -> dict[str, float]:
@@ -150,26 +160,31 @@ class ActorWorker(TrainedRole):
         return {"policy_loss": sums["policy_loss"] / steps, "clip_frac": sums["clip_tokens"] / max(sums["tokens"], 1),
                 "entropy": sums["entropy_sum"] / max(sums["tokens"], 1), "approx_kl": sums["approx_kl_sum"] / max(sums["tokens"], 1),
                 **({"kl_loss": sums["kl_loss"] / steps} if "kl_loss" in sums else {}),
-                "grad_norm": sums["grad_norm"], "lr": sums["lr"]}
+                "grad_norm": sums["grad_norm"], "lr": sums["lr"], "actor_peak_rss_mib": peak_rss_mib()}
 
     def weights(self) -> dict[str, torch.Tensor] | None:
-        """Full weights on rank 0 (gathered under ZeRO-3; every rank must call)."""
+        """Full weights on rank 0 (gathered under ZeRO-3; every rank must call); LoRA: merged, under the base
+        model's names. The engines load full weights either way (see README, LoRA)."""
         state = self.strategy.full_state_dict()
+        model = self.strategy.unwrap()
         if state is not None:  # a tied weight under each of its names: engines load by name (vLLM's lm_head)
             first: dict[int, str] = {}
-            for name, param in self.strategy.unwrap().named_parameters(remove_duplicate=False):
+            for name, param in model.named_parameters(remove_duplicate=False):
                 if first.setdefault(id(param), name) != name:
                     state.setdefault(name, state[first[id(param)]])
-        return state
+        return merged_state_dict(model, state) if state is not None and is_lora(model) else state
 
     def save_model(self, model_uri: str, key: str) -> None:
         """The HF folder of the policy: written in place when storage is local, else staged and uploaded."""
-        from alignflow.stages.common.publish import save_hf_model
+        from alignflow.stages.common.publish import ADAPTER_DIR, save_hf_model
 
-        local = storage.local_path(model_uri) if storage.is_local(model_uri) else staging_dir(key, model_uri.rsplit("/", 1)[0]) / "actor-model"
-        save_hf_model(self.strategy, self.tokenizer, local)
+        stage_uri = model_uri.rsplit("/", 1)[0]
+        local = storage.local_path(model_uri) if storage.is_local(model_uri) else staging_dir(key, stage_uri) / "actor-model" / "model"
+        save_hf_model(self.strategy, self.tokenizer, local)  # LoRA: and the adapter beside it
         if self.strategy.is_main and not storage.is_local(model_uri):
             storage.upload_dir(local, model_uri)
+            if (local.parent / ADAPTER_DIR).is_dir():
+                storage.upload_dir(local.parent / ADAPTER_DIR, storage.join(stage_uri, ADAPTER_DIR))
         self.strategy.barrier()
 
 
