@@ -51,6 +51,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/grpo_throughput.py
 	$(PY) benchmarks/generation_throughput.py
 	$(PY) benchmarks/generation_throughput.py --rl
+	$(PY) benchmarks/lora_memory.py
 
 clean:
 	rm -rf outputs .pytest_cache
