@@ -338,6 +338,30 @@ def config_show(config: ConfigOpt, overrides: SetOpt = None) -> None:
         typer.echo(f"# {name} ({cfg.kind(name).value}) config hash: {cfg.section(name).config_hash()}")
 
 
+@app.command("plan")
+def plan_command(
+    config: Annotated[Path, typer.Argument(metavar="CONFIG", help="pipeline config YAML")],
+    overrides: SetOpt = None,
+    gpu_memory_gb: Annotated[float, typer.Option(help="memory of one GPU, in GB")] = 80.0,
+    workers: Annotated[int, typer.Option(help="GPUs of each stage without worker groups (sft, rm, dpo, kto), "
+                                              "as `alignflow stage --nproc` runs it")] = 1,
+    as_json: Annotated[bool, typer.Option("--json", help="print the figures as JSON")] = False,
+) -> None:
+    """Memory per GPU of each stage's roles (weights, gradients, optimizer, activations, engines), and whether it
+    fits, before anything is submitted. Exits 2 when a stage does not fit."""
+    from alignflow import plan
+
+    cfg = _load(config, overrides)
+    try:
+        plans = plan.plan(cfg, gpu_memory_gb, workers)
+    except ConfigError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(BAD_INPUT) from None
+    typer.echo(plan.as_json(plans) if as_json else plan.render(plans))
+    if not all(p.fits for p in plans):
+        raise typer.Exit(BAD_INPUT)
+
+
 @app.command("build-model")
 def build_model(name: Annotated[str, typer.Argument(help="builtin:tiny or builtin:small")] = "builtin:tiny") -> None:
     """Build a built-in base model into the local cache and print its folder."""
