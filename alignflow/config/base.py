@@ -342,11 +342,17 @@ class GenerationConfig(Frozen):
         None, gt=0, description="Truncated importance sampling: weight each token's policy loss by "
                                 "min(π_trainer/π_engine, cap) when the engine's kernels differ from the trainer's (off: None).")
     importance_floor: float | None = Field(None, gt=0, description="Lower bound of that weight (needs importance_cap; off: None).")
+    weight_sync: Literal["full", "adapter"] = Field(
+        "full", description="What the actor pushes to the engines after each step: its full weights (with LoRA, the adapter "
+                            "merged in), or with LoRA on vLLM only the adapter, which vLLM serves as a LoRA adapter.",
+        json_schema_extra=HASHED_WHEN_SET)
 
     @model_validator(mode="after")
     def _engine_options(self) -> "GenerationConfig":
         if self.engine == "hf" and (self.tensor_parallel_size > 1 or self.sleep):
             raise ValueError("generation.tensor_parallel_size and generation.sleep are vLLM options: set generation.engine: vllm")
+        if self.weight_sync == "adapter" and self.engine != "vllm":
+            raise ValueError("generation.weight_sync: adapter serves the LoRA adapter with vLLM: set generation.engine: vllm")
         if self.importance_floor is not None and (self.importance_cap is None or self.importance_floor >= self.importance_cap):
             raise ValueError(f"generation.importance_floor={self.importance_floor} needs an importance_cap above it "
                              f"(importance_cap={self.importance_cap})")

@@ -165,6 +165,25 @@ def test_lora_grpo_on_vllm_learns_with_the_reference_as_the_adapter_off(tiny_sft
     assert (Path(result["uri"]) / "adapter" / "adapter_model.safetensors").is_file()
 
 
+def test_lora_adapter_push_keeps_the_engine_in_step_with_the_actor(tiny_sft, ray_session, tmp_path):
+    """`weight_sync: adapter`: only the LoRA adapter goes to vLLM, which serves it over the unchanged base; after
+    every push the engine's log-probs of the sampled tokens still agree with the actor's."""
+    from alignflow.stages.rl.stage import main
+
+    _, sft = tiny_sft
+    result = main(rl_config(tmp_path, "rl.lora.rank=16", "rl.lora.alpha=32", "rl.optim.lr=2e-3", "rl.batch.max_steps=4",
+                            "rl.logging.eval_every=100", "rl.kl.coef=0.01", "rl.generation.weight_sync=adapter"), "rl", None,
+                  {"from": sft["uri"]})
+    steps = [r for r in history(result["uri"]) if "reward/mean" in r]
+    mismatch = [r["train/logprob_mismatch"] for r in steps]
+    kl = [r["train/kl"] for r in steps]
+    print(f"\nadapter push: logprob mismatch per step {[f'{x:.1e}' for x in mismatch]}; KL to the base {[f'{x:.1e}' for x in kl]}")
+    assert len(steps) == 4 and max(mismatch) < LOGPROB_ATOL  # steps 2-4 sample from pushed adapters
+    # The policy has left the base by far more than that: an engine still serving the base (or an old adapter) would
+    # be off by ~sqrt(2 KL) a token.
+    assert kl[-1] > 1e-4
+
+
 def test_engine_death_fails_the_step_and_the_retry_resumes(tiny_sft, ray_session, tmp_path, monkeypatch):
     from alignflow.stages.rl.stage import EngineError, main
     from alignflow.stages.rl.workers import KILL_ENGINE_ENV

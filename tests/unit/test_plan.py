@@ -4,8 +4,6 @@ models' config.json in a Hugging Face cache as `huggingface-cli download <name> 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -81,11 +79,15 @@ def test_8b_grpo_lora_on_four_48gb_gpus(hub_cache):
 
 
 def test_plan_command_prints_the_roles_and_refuses_what_does_not_fit(hub_cache):
-    cmd = [sys.executable, "-m", "alignflow.cli", "plan", "configs/8b-grpo-lora.yaml", "--gpu-memory-gb"]
-    ok = subprocess.run([*cmd, "48"], cwd=ROOT, capture_output=True, text=True)
-    assert ok.returncode == 0, ok.stderr
+    from typer.testing import CliRunner
+
+    from alignflow.cli import app
+
+    run = lambda *args: CliRunner().invoke(app, ["plan", "configs/8b-grpo-lora.yaml", *args])  # noqa: E731
+    ok = run("--gpu-memory-gb", "48")
+    assert ok.exit_code == 0, ok.output
     assert "actor" in ok.stdout and "KV cache: 60,573 tokens" in ok.stdout and "28.18 GB of 48 GB: fits" in ok.stdout
-    small = subprocess.run([*cmd, "24"], cwd=ROOT, capture_output=True, text=True)
-    assert small.returncode == 2 and "does NOT fit" in small.stdout
-    missing = subprocess.run([*cmd[:-1], "--set", "rl.model.name_or_path=org/not-downloaded"], cwd=ROOT, capture_output=True, text=True)
-    assert missing.returncode == 2 and "huggingface-cli download org/not-downloaded config.json" in missing.stderr
+    small = run("--gpu-memory-gb", "24")
+    assert small.exit_code == 2 and "does NOT fit" in small.stdout
+    missing = run("--set", "rl.model.name_or_path=org/not-downloaded")
+    assert missing.exit_code == 2 and "huggingface-cli download org/not-downloaded config.json" in missing.stderr

@@ -254,16 +254,19 @@ class Strategy:
             raise RuntimeError(f"DeepSpeed could not load checkpoint {tag!r} from {folder}")
         return client_state
 
-    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
-        """Full fp32/bf16 weights on rank 0 (gathered under ZeRO-3, one tensor at a time); None elsewhere."""
+    def full_state_dict(self, trained_only: bool = False) -> dict[str, torch.Tensor] | None:
+        """Full fp32/bf16 weights on rank 0 (gathered under ZeRO-3, one tensor at a time); None elsewhere.
+        `trained_only`: just the parameters that train (a LoRA adapter), no buffers."""
         module = self.engine.module
         out: dict[str, torch.Tensor] = {}
         for name, param in module.named_parameters():
+            if trained_only and not param.requires_grad:
+                continue
             gather = deepspeed.zero.GatheredParameters([param], modifier_rank=None) if hasattr(param, "ds_id") else nullcontext()
             with gather:
                 if self.is_main:
                     out[name] = param.detach().to("cpu", copy=True)
-        if self.is_main:
+        if self.is_main and not trained_only:
             persistent = set(module.state_dict().keys())  # skips non-persistent buffers such as rotary inv_freq
             for name, buf in module.named_buffers():
                 if name in persistent:

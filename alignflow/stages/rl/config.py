@@ -177,6 +177,8 @@ class RLConfig(TrainingSection):
         if samples % self.batch.global_batch_size:
             raise ValueError(f"rollout.prompts_per_step x generation.n_samples_per_prompt = {samples} responses per step "
                              f"must be a multiple of batch.global_batch_size ({self.batch.global_batch_size})")
+        if self.generation.weight_sync == "adapter" and self.lora is None:
+            raise ValueError("generation.weight_sync: adapter pushes the actor's LoRA adapter: it needs a `lora:` section")
         if self.generation.sleep and (not self.workers.gpus_per_worker or self.workers.colocate != "all"):
             raise ValueError("generation.sleep frees the vLLM engines' GPU memory while colocated roles train: it needs "
                              f"workers.gpus_per_worker > 0 and workers.colocate: all (got {self.workers.gpus_per_worker} "

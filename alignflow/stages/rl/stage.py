@@ -204,11 +204,13 @@ class Roles:
         return self.reference.call("logprobs", exp)[0] if self.reference else self.actor.call("reference_logprobs", exp)[0]
 
     def sync_weights(self) -> None:
-        """The actor's full weights to every rollout worker, through the object store."""
+        """The actor's full weights (or, with `weight_sync: adapter`, its LoRA adapter) to every rollout worker,
+        through the object store."""
         import ray
 
-        refs = [w.weights.remote() for w in self.actor.workers]  # a collective: every rank gathers
-        self.rollout.call("load_weights", refs[0])
+        adapter = self.rl.generation.weight_sync == "adapter"
+        refs = [(w.adapter if adapter else w.weights).remote() for w in self.actor.workers]  # a collective: every rank gathers
+        self.rollout.call("load_adapter" if adapter else "load_weights", refs[0])
         ray.get(refs[1:])
 
     def shutdown(self) -> None:

@@ -174,6 +174,17 @@ class ActorWorker(TrainedRole):
                     state.setdefault(name, state[first[id(param)]])
         return merged_state_dict(model, state) if state is not None and is_lora(model) else state
 
+    def adapter(self):
+        """(PEFT config, adapter weights in PEFT's file names) on rank 0, None elsewhere: what vLLM loads as a LoRA
+        adapter. Only the trained parameters are gathered (every rank must call)."""
+        from peft import get_peft_model_state_dict
+
+        state = self.strategy.full_state_dict(trained_only=True)
+        if state is None:
+            return None
+        model = self.strategy.unwrap()
+        return model.peft_config["default"], get_peft_model_state_dict(model, state_dict=state)
+
     def save_model(self, model_uri: str, key: str) -> None:
         """The HF folder of the policy: written in place when storage is local, else staged and uploaded."""
         from alignflow.stages.common.publish import ADAPTER_DIR, save_hf_model
@@ -256,7 +267,8 @@ class RolloutWorker(Worker):
             self.generator = VLLMGenerator(model_path, tokenizer.eos_token_id, seed=rl.batch.seed + self.rank,
                                            max_model_len=max_model_len, tensor_parallel_size=gen.tensor_parallel_size,
                                            gpu_memory_utilization=gen.gpu_memory_utilization, sleep=gen.sleep,
-                                           threads=int(os.environ.get(THREADS_ENV, "1")))
+                                           threads=int(os.environ.get(THREADS_ENV, "1")),
+                                           lora_rank=rl.lora.rank if gen.weight_sync == "adapter" else None)
         else:
             self.generator = HFGenerator(load_causal_lm(model_path, rl.model), tokenizer.eos_token_id, tokenizer.pad_token_id,
                                          gen.batch_size)
@@ -272,6 +284,9 @@ class RolloutWorker(Worker):
 
     def load_weights(self, state: dict[str, torch.Tensor]) -> None:
         self.generator.load_weights(state)
+
+    def load_adapter(self, adapter) -> None:
+        self.generator.load_adapter(*adapter)
 
     def sleep(self) -> None:
         self.generator.sleep()
