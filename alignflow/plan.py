@@ -142,9 +142,13 @@ def root_model(cfg, stage: str) -> str:
     raise ConfigError(f"{seen[0]}: no model to start from (no model.name_or_path up its `from:` chain)")
 
 
+def dtype_bytes(section) -> int:
+    return 2 if section.deepspeed.precision == "bf16" or section.model.dtype == "bfloat16" else 4
+
+
 def trainer(role: str, shape: ModelShape, section, workers: int, seq: int, micro: int) -> RoleMemory:
     """A trained role: states by ZeRO stage, activations of one micro-batch."""
-    ds, d = section.deepspeed, 2 if section.deepspeed.precision == "bf16" or section.model.dtype == "bfloat16" else 4
+    ds, d = section.deepspeed, dtype_bytes(section)
     m = RoleMemory(role, workers, shape.params, shape.trainable)
     m.weights = shape.params * d / (workers if ds.zero_stage == 3 else 1)
     m.grads = shape.trainable * d / (workers if ds.zero_stage >= 2 else 1)
@@ -161,14 +165,14 @@ def trainer(role: str, shape: ModelShape, section, workers: int, seq: int, micro
 
 
 def frozen(role: str, shape: ModelShape, section, workers: int) -> RoleMemory:
-    d = 2 if section.model.dtype == "bfloat16" or section.deepspeed.precision == "bf16" else 4
+    d = dtype_bytes(section)
     m = RoleMemory(role, workers, shape.params, 0)
     m.weights = shape.params * d / (workers if section.deepspeed.zero_stage == 3 else 1)
     return m
 
 
 def engine(shape: ModelShape, rl, gpu_bytes: float) -> RoleMemory:
-    g, d = rl.generation, 2 if rl.model.dtype == "bfloat16" else 4
+    g, d = rl.generation, 2 if rl.model.dtype == "bfloat16" else 4  # the engine serves the model's dtype
     m = RoleMemory("rollout", g.engines * g.tensor_parallel_size, shape.params, 0)
     weights = shape.params * d / g.tensor_parallel_size
     if g.engine == "vllm":

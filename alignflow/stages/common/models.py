@@ -141,9 +141,10 @@ def merged_state_dict(model: torch.nn.Module, state: dict[str, torch.Tensor]) ->
         out[name.replace(".base_layer.", ".").replace(".modules_to_save.default.", ".")] = value
     for path, module in model.named_modules():
         if isinstance(module, LoraLayer) and "default" in module.lora_A:
-            if getattr(module, "fan_in_fan_out", False) or module.use_dora.get("default"):
-                raise NotImplementedError(f"{path}: merging fan_in_fan_out or DoRA adapters is not supported")
             a, b = state[f"{path}.lora_A.default.weight"], state[f"{path}.lora_B.default.weight"]
+            delta = b.float() @ a.float() * module.scaling["default"]
+            if getattr(module, "fan_in_fan_out", False):  # Conv1D layers (GPT-2) store the weight transposed
+                delta = delta.T
             name = f"{path}.weight".removeprefix(PEFT_PREFIX)
-            out[name] = out[name] + (b.float() @ a.float() * module.scaling["default"]).to(out[name].dtype)
+            out[name] = out[name] + delta.to(out[name].dtype)
     return out
