@@ -71,7 +71,11 @@ class ModelConfig(Frozen):
 class DataSource(Frozen):
     """Where a stage's rows come from and how they are cut; every stage's data config extends it."""
 
-    path: str = Field(..., description="JSONL/Parquet file, a local HF dataset folder, or a `datasets` name.", json_schema_extra=NOT_RESULT)
+    path: str | None = Field(None, description="JSONL/Parquet file, a local HF dataset folder, or a `datasets` name.", json_schema_extra=NOT_RESULT)
+    stage: str | tuple[str, ...] | None = Field(
+        None, description="Instead of `path`: a dataset stage (generate, label or select) of this graph whose published rows "
+                          "are the data; a list: their rows one after another. Its digest enters the cache key.",
+        json_schema_extra=NOT_RESULT)
     split: str = "train"
     eval_path: str | None = Field(None, description="Held-out file; without it `eval_fraction` of the rows is held out.", json_schema_extra=NOT_RESULT)
     eval_fraction: float = Field(0.05, ge=0.0, lt=1.0)
@@ -108,6 +112,17 @@ class DataSource(Frozen):
             raise ValueError(f"input_template {v!r} needs column placeholders such as {{instruction}} (names only: no "
                              "format specs, conversions or indexing)")
         return v
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "DataSource":
+        if (self.path is None) == (self.stage is None):
+            raise ValueError("give the rows as `path` (a file or a `datasets` name) or as `stage` (a dataset stage of this "
+                             "graph), exactly one" + (f"; got path={self.path!r} and stage={self.stage!r}" if self.path else ""))
+        return self
+
+    def stages(self) -> tuple[str, ...]:
+        """The dataset stages whose rows this is, in order (none: a file)."""
+        return (self.stage,) if isinstance(self.stage, str) else tuple(self.stage or ())
 
     def used_columns(self) -> set[str] | None:
         """The columns this config reads (None: every column); the others are reported once, at load."""
@@ -291,15 +306,36 @@ class TrainingSection(Frozen):
         return self
 
     def edges(self) -> dict[str, str]:
-        """Input role -> the stage it names: `from` is the model this stage starts from."""
-        return {"from": self.from_} if self.from_ else {}
+        """Input role -> the stage it names: `from` is the model this stage starts from, `data` (or `data:1`, `data:2`, ...
+        for a list) the dataset stages its rows come from."""
+        return {**({"from": self.from_} if self.from_ else {}), **data_edges(self.data)}
 
     def config_hash(self) -> str:
         return stable_hash(result_fields(self))
 
     def sources(self) -> dict[str, str]:
         """Named files the result depends on (their content enters the cache key, not their paths)."""
-        return {"data": self.data.path, **({"eval_data": self.data.eval_path} if self.data.eval_path else {})}
+        return {**({"data": self.data.path} if self.data.path else {}),
+                **({"eval_data": self.data.eval_path} if self.data.eval_path else {})}
+
+
+DATA_ROLE = "data"
+
+
+def data_edges(data: DataSource) -> dict[str, str]:
+    """Input roles of a data section's dataset stages: `data` for one, `data:1`, `data:2`, ... for a list (in order)."""
+    names = data.stages()
+    if len(names) == 1 and isinstance(data.stage, str):
+        return {DATA_ROLE: names[0]}
+    return {f"{DATA_ROLE}:{i + 1}": name for i, name in enumerate(names)}
+
+
+def file_only(section: DataSource | None, option: str) -> DataSource | None:
+    """A data section read by a stage that takes files only (eval, generate): `stage` is refused, naming the option."""
+    if section is not None and section.stage is not None:
+        raise ValueError(f"{option}.stage: this section reads a file (`{option}.path`); dataset stages are the data of "
+                         "training stages (sft, rm, dpo, kto, rl)")
+    return section
 
 
 class ReferenceTraining(TrainingSection):

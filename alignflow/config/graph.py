@@ -18,9 +18,12 @@ from alignflow.config.base import (NOT_RESULT, ConfigError, Frozen, RayConfig, S
                                    result_fields, stable_hash)
 from alignflow.stages.dpo.config import DPOConfig
 from alignflow.stages.eval.config import EvalConfig
+from alignflow.stages.generate.config import GenerateConfig
 from alignflow.stages.kto.config import KTOConfig
+from alignflow.stages.label.config import LabelConfig
 from alignflow.stages.rl.config import RLConfig
 from alignflow.stages.rm.config import RMConfig
+from alignflow.stages.select.config import SelectConfig
 from alignflow.stages.sft.config import SFTConfig
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"  # a folder name and an MLflow run / model name
@@ -33,6 +36,9 @@ class StageKind(str, enum.Enum):
     KTO = "kto"
     RL = "rl"
     EVAL = "eval"
+    GENERATE = "generate"
+    LABEL = "label"
+    SELECT = "select"
 
     @property
     def module(self) -> str:
@@ -40,7 +46,17 @@ class StageKind(str, enum.Enum):
 
     @property
     def makes_model(self) -> bool:
-        return self != StageKind.EVAL
+        return self in (StageKind.SFT, StageKind.RM, StageKind.DPO, StageKind.KTO, StageKind.RL)
+
+    @property
+    def makes_dataset(self) -> bool:
+        """Publishes rows (`data/*.parquet`) that a training stage reads as its `data.stage`."""
+        return self in (StageKind.GENERATE, StageKind.LABEL, StageKind.SELECT)
+
+    @property
+    def loads_model(self) -> bool:
+        """Starts from a model: `from:` a stage or `model.name_or_path`."""
+        return self.makes_model or self == StageKind.GENERATE
 
     @property
     def is_policy(self) -> bool:
@@ -50,10 +66,13 @@ class StageKind(str, enum.Enum):
     @property
     def own_workers(self) -> bool:
         """Trains in worker groups it places in Ray itself (rl), not in the job's own process."""
-        return self == StageKind.RL
+        return self in (StageKind.RL, StageKind.GENERATE)
 
 
-StageSection = Annotated[Union[SFTConfig, RMConfig, DPOConfig, KTOConfig, RLConfig, EvalConfig], Field(discriminator="kind")]
+StageSection = Annotated[Union[SFTConfig, RMConfig, DPOConfig, KTOConfig, RLConfig, EvalConfig, GenerateConfig, LabelConfig,
+                               SelectConfig], Field(discriminator="kind")]
+# What each dataset role takes: (the option that names it, the kinds it accepts)
+DATASET_INPUTS = {StageKind.LABEL: ("data", (StageKind.GENERATE,)), StageKind.SELECT: ("data", (StageKind.LABEL,))}
 
 
 class GraphError(ValueError):
@@ -135,8 +154,8 @@ class PipelineConfig(Frozen):
         return [n for n in self.order() if n in need]
 
     def final_models(self) -> list[str]:
-        """Model stages that no other model stage starts from or scores with."""
-        used = {up for n in self.stages if self.kind(n).makes_model for up in self.inputs_of(n).values()}
+        """Model stages that no other stage but an eval starts from, scores with or samples from."""
+        used = {up for n in self.stages if self.kind(n) != StageKind.EVAL for up in self.inputs_of(n).values()}
         return [n for n in self.stages if self.kind(n).makes_model and n not in used]
 
     @property
@@ -171,17 +190,26 @@ class PipelineConfig(Frozen):
         section, kind = self.stages[name], StageKind(self.stages[name].kind)
         for role, up in section.edges().items():
             field = {"from": "from", "reward_model": "reward.model" if kind == StageKind.RL else "reward_model"}.get(role, "models")
+            if role.split(":")[0] == "data":
+                field = "data" if kind in DATASET_INPUTS else "data.stage"
             if up not in self.stages:
                 raise GraphError(f"{field}: no stage named {up!r} (stages: {', '.join(self.stages)})", (name, field.split(".")[0]))
             up_kind = StageKind(self.stages[up].kind)
-            if role == "from" and not (up_kind.is_policy if kind.is_policy else up_kind.makes_model):
-                wants = "a policy stage (sft, dpo, kto, rl)" if kind.is_policy else "a model stage"
+            if field == "data.stage" and not up_kind.makes_dataset:
+                raise GraphError(f"data.stage: {up!r} is a {up_kind.value} stage; a training stage's rows come from a dataset "
+                                 "stage (generate, label, select) or a file (`data.path`)", (name, "data"))
+            if field == "data" and up_kind not in DATASET_INPUTS[kind][1]:
+                wants = " or ".join(k.value for k in DATASET_INPUTS[kind][1])
+                raise GraphError(f"data: {up!r} is a {up_kind.value} stage; a {kind.value} stage reads a {wants} stage", (name, "data"))
+            samples = kind.is_policy or kind == StageKind.GENERATE  # its model generates text
+            if role == "from" and not (up_kind.is_policy if samples else up_kind.makes_model):
+                wants = "a policy stage (sft, dpo, kto, rl)" if samples else "a model stage"
                 raise GraphError(f"from: {up!r} is a {up_kind.value} stage; a {kind.value} stage starts from {wants}", (name, "from"))
             if role == "reward_model" and up_kind != StageKind.RM:
                 raise GraphError(f"{field}: {up!r} is a {up_kind.value} stage, not an rm stage", (name, field.split(".")[0]))
             if role.startswith("model:") and not up_kind.makes_model:
                 raise GraphError(f"models: {up!r} is an eval stage; an eval compares model stages", (name, "models"))
-        if kind.makes_model:
+        if kind.loads_model:
             if section.from_ and section.model.name_or_path:
                 raise GraphError(f"two starting models: from: {section.from_!r} and model.name_or_path="
                                  f"{section.model.name_or_path!r}; give one", (name, "model"))

@@ -19,6 +19,7 @@ from pydantic import BaseModel, ValidationError
 
 from alignflow.config.base import ConfigError
 from alignflow.config.graph import PipelineConfig, StageKind
+from alignflow.config.rounds import expand_loop, is_loop, point_at_rounds, round_name
 from alignflow.stages.common.formats import closest
 
 SETTINGS = ("name", "storage", "ray", "tracking", "register")
@@ -97,8 +98,17 @@ def expand(data: dict, source: str = "<config>", lines: dict[tuple, int] | None 
         raise ConfigError(f"{where('defaults')}: defaults: keys are stage kinds ({', '.join(kinds)}), got {bad!r}")
     out: dict[str, Any] = {k: data[k] for k in SETTINGS if k in data}
     stages = dict(data.get("stages") or {})  # the dumped form (dump_config) already nests them
+    loops: dict[str, list[str]] = {}  # loop name -> each round's model stage
     for name, section in data.items():
         if name in (*SETTINGS, "defaults", "stages"):
+            continue
+        if is_loop(section):
+            expanded, loops[name] = expand_loop(name, section, kinds, where(name))
+            for loc, line in list(lines.items()):  # errors in a round's stage point at the loop's line for it
+                if loc[:2] == (name, "stages") and len(loc) > 2:
+                    for k in range(1, len(loops[name]) + 1):
+                        lines.setdefault((round_name(name, k, loc[2]), *loc[3:]), line)
+            stages.update(expanded)
             continue
         if not isinstance(section, dict):
             raise ConfigError(f"{where(name)}: {name}: a stage is a mapping of its settings (kind, from, ...), got {section!r}; "
@@ -110,9 +120,24 @@ def expand(data: dict, source: str = "<config>", lines: dict[tuple, int] | None 
             shown = f"kind {kind!r} is unknown" if kind is not None else "no kind given and the name is not a kind"
             raise ConfigError(f"{where(name, 'kind') if 'kind' in section else where(name)}: stage {name!r}: {shown}; "
                               f"set `kind:` to one of {', '.join(kinds)}")
-        stages[name] = _merge(defaults.get(kind) or {}, {**section, "kind": kind})
+        stages[name] = _merge(_defaults_for(defaults.get(kind) or {}, section), {**section, "kind": kind})
+    if loops:
+        point_at_rounds(stages, loops)
+        register = out.get("register")
+        if isinstance(register, dict) and register.get("stage") in loops:
+            out["register"] = {**register, "stage": loops[register["stage"]][-1]}
     out["stages"] = stages
     return out
+
+
+def _defaults_for(defaults: dict, section: dict) -> dict:
+    """A kind's defaults under one stage: a stage that says where its rows come from (`data.path` or `data.stage`)
+    does not also get the other from the defaults."""
+    own = section.get("data") if isinstance(section.get("data"), dict) else {}
+    given = [k for k in ("path", "stage") if k in own]
+    if not given or not isinstance(defaults.get("data"), dict):
+        return defaults
+    return {**defaults, "data": {k: v for k, v in defaults["data"].items() if k not in ("path", "stage")}}
 
 
 def _parse_yaml(text: str, path: str) -> dict:

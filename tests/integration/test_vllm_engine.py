@@ -37,13 +37,14 @@ def engine(tiny_sft, ray_session):
     """One vLLM rollout worker on the tiny SFT model for the module (started once: engine start is the cost)."""
     import ray
 
-    from alignflow.stages.rl.workers import RolloutWorker
+    from alignflow.stages.common.rollout import RolloutWorker
 
     cfg, sft = tiny_sft
     path = str(Path(sft["uri"]) / "model")
     # No CPU reserved: the module's stage runs need the whole 2-CPU cluster for their bundles while this lives.
     worker = ray.remote(RolloutWorker).options(num_cpus=0).remote(0, 1, 2)
-    ray.get(worker.setup.remote(rl_config(cfg.storage.root).section("rl"), path, None))
+    rl = rl_config(cfg.storage.root).section("rl")
+    ray.get(worker.setup.remote(rl.generation, rl.model, path, None, rl.batch.seed))
     yield worker, path
     ray.kill(worker)
 
@@ -186,7 +187,7 @@ def test_lora_adapter_push_keeps_the_engine_in_step_with_the_actor(tiny_sft, ray
 
 def test_engine_death_fails_the_step_and_the_retry_resumes(tiny_sft, ray_session, tmp_path, monkeypatch):
     from alignflow.stages.rl.stage import EngineError, main
-    from alignflow.stages.rl.workers import KILL_ENGINE_ENV
+    from alignflow.stages.common.rollout import KILL_ENGINE_ENV
 
     _, sft = tiny_sft
     cfg = rl_config(tmp_path, "rl.batch.max_steps=4", "rl.checkpoint.every_steps=2", "rl.logging.eval_every=100")

@@ -325,6 +325,12 @@ def load_rows(cfg, build, seed: int, section: str = "data") -> tuple[list, list,
     return train, held, {"train": stats.as_dict(), "eval": eval_stats.as_dict()}
 
 
+def every_row(data):
+    """The section as a loader reads it with every row of `path` held out (capped by `max_samples`): the
+    loaders' train part, with nothing split off. A local copy: the config itself stays as parsed."""
+    return data.model_copy(update={"eval_fraction": 0.0, "eval_path": None})
+
+
 def report(source: str, stats: RowStats, cfg, section: str) -> None:
     """The rows of one file on the console, and a warning for columns nothing reads."""
     print(f"data {source}: {stats.line()}", flush=True)

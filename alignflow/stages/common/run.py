@@ -13,9 +13,11 @@ from pathlib import Path
 from typing import Any, Callable, Protocol
 
 from alignflow.config import ConfigError, PipelineConfig, dump_config
+from alignflow.config.base import data_edges
 from alignflow.infra import manifest, storage
 from alignflow.lineage import data_inputs, data_sources, input_digests, locate_inputs, stage_cache_key, stage_output_uri
 from alignflow.stages.common.checkpoint import Checkpointer, remove_staging, staging_dir
+from alignflow.stages.common.datasets import dataset_file
 from alignflow.stages.common.data import DataError, describe_rows, row_metrics, steps_per_epoch
 from alignflow.stages.common.models import fetch_published_model, parameter_counts, resolve_model_path
 from alignflow.stages.common.progress import MetricsLog, Timer, peak_rss_mib
@@ -104,6 +106,15 @@ class TrainingRun:
         self.resumed_state: dict[str, Any] = {}  # the client state of the checkpoint a run resumed from
         self.params: dict[str, int] = {}  # trained and total parameters of a stage trained in this process
 
+    @property
+    def data(self):
+        """The section's data as the loaders read it: the rows of `data.stage` (dataset stages) as one local Parquet file."""
+        data = self.section.data
+        if data.stage is None:
+            return data
+        sources = [(self.inputs[role], self.input_digests[role]) for role in data_edges(data)]
+        return data.model_copy(update={"path": dataset_file(sources), "stage": None})
+
     def cached_result(self) -> dict[str, Any]:
         print(f"{self.stage}: already complete at {self.out} (cache key {self.key})", flush=True)
         return {"stage": self.stage, "uri": self.out, "cache_key": self.key, "cached": True,
@@ -144,8 +155,9 @@ class TrainingRun:
         self.start_step, history = self._resume()
         self.log = MetricsLog(trainer.is_main, total_steps, self.section.logging.progress, headline, history)
         self.tracking = StageTracking(trainer.is_main)
-        self.tracking.log_datasets({n: (src, self.fingerprints[n]) for n, src in data_sources(self.section).items()
-                                    if n in ("data", "eval_data")})
+        datasets = {n: (src, self.fingerprints[n]) for n, src in data_sources(self.section).items() if n in ("data", "eval_data")}
+        datasets.update({role: (self.inputs[role], self.input_digests[role]) for role in data_edges(self.section.data)})
+        self.tracking.log_datasets(datasets)
         self.log.add_sink(self.tracking.log_metrics)
         for record in history:  # a resumed attempt runs under a new MLflow run: give it the whole curve
             self.tracking.log_metrics(int(record["step"]), {k: v for k, v in record.items() if k != "step"})

@@ -57,7 +57,7 @@ class StageTracking:
 
         inputs = [DatasetInput(Dataset(name=Path(source).name, digest=digest[:36], source_type="path" if "://" not in source
                                        else source.split("://")[0], source=source),
-                               tags=[InputTag("mlflow.data.context", DATA_CONTEXTS.get(name, name))])
+                               tags=[InputTag("mlflow.data.context", DATA_CONTEXTS.get(name.split(":")[0], name))])
                   for name, (source, digest) in datasets.items()]
         try:
             self.client.log_inputs(self.run_id, datasets=inputs)

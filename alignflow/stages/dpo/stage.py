@@ -41,7 +41,7 @@ def main(cfg: PipelineConfig, stage: str, output_uri: str | None = None, inputs:
     dpo = run.section
     base = run.base_model()
     tokenizer = load_tokenizer(base)
-    train, held, stats = load_pairs(dpo.data, tokenizer, dpo.batch.seed, f"{stage}.data")  # bad data fails before any model work
+    train, held, stats = load_pairs(run.data, tokenizer, dpo.batch.seed, f"{stage}.data")  # bad data fails before any model work
     steps = total_steps(len(train), dpo, "pairs")
 
     strategy = Strategy(dpo.deepspeed, dpo.batch, dpo.optim)

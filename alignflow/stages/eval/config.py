@@ -7,7 +7,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from alignflow.config.base import (NOT_RESULT, Frozen, GenerationConfig, PreferenceDataConfig, PromptDataConfig,
-                                   python_object_spec, result_fields, stable_hash)
+                                   file_only, python_object_spec, result_fields, stable_hash)
 from alignflow.stages.sft.config import DataConfig
 
 
@@ -42,6 +42,8 @@ class EvalConfig(Frozen):
 
     @model_validator(mode="after")
     def _something_to_measure(self) -> "EvalConfig":
+        for option in ("prompts", "pairs", "nll"):
+            file_only(getattr(self, option), option)
         if not (self.verifier or self.reward_model or self.pairs or self.nll):
             raise ValueError("an eval stage needs at least one metric: `verifier`, `reward_model`, `pairs` or `nll`")
         if (self.verifier or self.reward_model) and self.prompts is None:

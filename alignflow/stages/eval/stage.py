@@ -29,9 +29,10 @@ from typing import Any, Callable
 import torch
 
 from alignflow.config import ConfigError, PipelineConfig, StageKind, dump_config
-from alignflow.config.base import BatchConfig, DataSource, DeepSpeedConfig, ModelConfig
+from alignflow.config.base import BatchConfig, DeepSpeedConfig, ModelConfig
 from alignflow.infra import manifest, storage
 from alignflow.stages.common.checkpoint import remove_staging, seed_everything, staging_dir
+from alignflow.stages.common.data import every_row
 from alignflow.stages.common.generation import HFGenerator, Rollout, SamplingParams
 from alignflow.stages.common.models import fetch_published_model, load_causal_lm, load_reward_model, load_tokenizer, resolve_model_path
 from alignflow.stages.common.pairs import Pair, load_pairs, pair_logps, pair_rewards
@@ -95,12 +96,6 @@ def reference_path(cfg: PipelineConfig, name: str, inputs: dict[str, str], fetch
     if not given:
         raise ConfigError(f"{name}: no reference model for its implicit reward: pass --input {role}=<published stage folder>")
     return resolve_model_path(given)
-
-
-def every_row(data: DataSource) -> DataSource:
-    """The section as a loader reads it with every row of `path` held out (capped by `max_samples`): the
-    loaders' train part, with nothing split off. A local copy: the config itself stays as parsed."""
-    return data.model_copy(update={"eval_fraction": 0.0, "eval_path": None})
 
 
 # --------------------------------------------------------------------------- one model

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -42,11 +41,8 @@ from alignflow.stages.rl.experience import Experience
 from alignflow.stages.rl.kl import adaptive_kl_coef, kl_per_token
 from alignflow.stages.rl.rewards import FunctionReward, overlong_penalty
 from alignflow.stages.common.vllm_engine import require_vllm
-from alignflow.stages.rl.workers import KILL_ENGINE_ENV, ActorWorker, CriticWorker, ReferenceWorker, RewardModelWorker, RolloutWorker
-
-class EngineError(RuntimeError):
-    """A rollout engine failed mid-step (retryable: the stage resumes from its last checkpoint)."""
-
+from alignflow.stages.common.rollout import KILL_ENGINE_ENV, EngineError, RolloutWorker, generate_on  # noqa: F401 (EngineError: re-exported)
+from alignflow.stages.rl.workers import ActorWorker, CriticWorker, ReferenceWorker, RewardModelWorker
 
 CURVES = ["reward/mean", "eval/reward", "train/success", "eval/success", "train/kl", "train/policy_loss", "train/entropy",
           "train/response_length"]
@@ -64,7 +60,7 @@ def main(cfg: PipelineConfig, stage: str, output_uri: str | None = None, inputs:
     base = run.base_model()
     reward_model = reward_model_path(run, rl)
     tokenizer = load_tokenizer(base)
-    train, held, stats = load_prompts(rl.data, tokenizer, rl.batch.seed, f"{stage}.data")  # bad data fails before any model work
+    train, held, stats = load_prompts(run.data, tokenizer, rl.batch.seed, f"{stage}.data")  # bad data fails before any model work
     # Reward sources load before any worker starts, so a broken file fails fast.
     function = FunctionReward(rl.reward.function) if rl.reward.function else None
     environment = load_environment(rl.environment.path) if rl.environment else None
@@ -107,12 +103,6 @@ def make_executor(rl: RLConfig, tokenizer, roles: "Roles", function: FunctionRew
     return SingleTurn(roles.generate, Scorer(tokenizer, function, roles.score if roles.reward else None, penalty))
 
 
-def shards(n: int, k: int) -> list[list[int]]:
-    """0..n-1 in k contiguous, nearly equal parts (some may be empty)."""
-    bounds = np.linspace(0, n, k + 1).round().astype(int)
-    return [list(range(bounds[i], bounds[i + 1])) for i in range(k)]
-
-
 class Roles:
     """The worker groups of one RL run, and the calls that span groups."""
 
@@ -131,7 +121,8 @@ class Roles:
         self.groups: dict[str, WorkerGroup] = {}
         setups = {  # PPO's critic starts from the reward model when there is one
             "actor": (ActorWorker, (rl, base, optimizer_steps, out, key)),
-            "rollout": (RolloutWorker, (rl, base, None, os.environ.get(KILL_ENGINE_ENV))),
+            "rollout": (RolloutWorker, (rl.generation, rl.model, base, None, rl.batch.seed,
+                                        rl.lora.rank if rl.generation.weight_sync == "adapter" else None, os.environ.get(KILL_ENGINE_ENV))),
             "reference": (ReferenceWorker, (rl, base)),
             "critic": (CriticWorker, (rl, reward_model or base, pad_id, optimizer_steps, out, key)),
             "reward": (RewardModelWorker, (rl, reward_model)),
@@ -174,16 +165,8 @@ class Roles:
             ray.get(refs)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Rollout]:
-        """Prompts sharded over the rollout engines; engine k samples with its own seed stream."""
-        import ray
-
-        parts = shards(len(prompts), len(self.rollout.workers))
-        calls = [([prompts[i] for i in part], replace(params, seed=params.seed + 7919 * k)) for k, part in enumerate(parts)]
-        try:
-            out = self.rollout.call_each("generate", calls)
-        except ray.exceptions.RayActorError as err:  # the step fails; the stage resumes from its checkpoint on retry
-            raise EngineError(f"a rollout engine ({self.rl.generation.engine}) died during generation: {err}") from err
-        return [r for chunk in out for r in chunk]
+        """Prompts sharded over the rollout engines (a dead engine fails the step: the stage resumes from its checkpoint)."""
+        return generate_on(self.rollout, prompts, params, self.rl.generation.engine)
 
     def before_training(self) -> None:
         if self.rl.generation.sleep:  # colocated on GPUs: the engines give their memory to the trainers

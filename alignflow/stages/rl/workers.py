@@ -12,7 +12,6 @@ Either way the rows form the same micro-batches for any number of workers.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import numpy as np
@@ -22,19 +21,14 @@ from alignflow.stages.rl.config import RLConfig
 from alignflow.infra import storage
 from alignflow.stages.common.checkpoint import Checkpointer, seed_everything, staging_dir
 from alignflow.stages.common.data import rank_micro_batches
-from alignflow.stages.common.generation import HFGenerator, Rollout, SamplingParams
 from alignflow.stages.common.models import is_lora, load_causal_lm, parameter_counts, load_reward_model, load_tokenizer, merged_state_dict, with_lora
 from alignflow.stages.common.reference import adapter_off
 from alignflow.stages.common.rowwise import all_rows
 from alignflow.stages.common.progress import peak_rss_mib
-from alignflow.stages.common.strategy import THREADS_ENV
 from alignflow.stages.common.workers import Worker
 from alignflow.stages.rl.experience import Experience, response_logprobs, response_values
 from alignflow.stages.rl.kl import kl_per_token
 from alignflow.stages.rl.losses import aggregate, policy_loss, truncated_is_weight, value_loss
-
-
-KILL_ENGINE_ENV = "ALIGNFLOW_KILL_ENGINE_AT_CALL"  # tests: rollout worker 0 exits during its Nth generate call
 
 
 def per_row(strategy, micro: int, exp: Experience, forward) -> torch.Tensor:
@@ -252,44 +246,3 @@ class RewardModelWorker(Worker):
         """(N,) scores of all sequences (a collective, like `per_row`): one scorer batch per forward."""
         return all_rows(self.strategy, [len(s) for s in sequences], self.scorer.batch_size,
                         lambda rows: {"score": self.scorer.score_ids([sequences[i] for i in rows])})["score"]
-
-
-class RolloutWorker(Worker):
-    """A rollout engine: `hf` (a local copy of the policy) or `vllm` (one vllm.LLM)."""
-
-    def setup(self, rl: RLConfig, model_path: str, max_model_len: int, kill_at_call: str | None = None) -> None:
-        gen = rl.generation
-        tokenizer = load_tokenizer(model_path)
-        self.calls, self.kill_at_call = 0, kill_at_call
-        if gen.engine == "vllm":
-            from alignflow.stages.common.vllm_engine import VLLMGenerator
-
-            self.generator = VLLMGenerator(model_path, tokenizer.eos_token_id, seed=rl.batch.seed + self.rank,
-                                           max_model_len=max_model_len, tensor_parallel_size=gen.tensor_parallel_size,
-                                           gpu_memory_utilization=gen.gpu_memory_utilization, sleep=gen.sleep,
-                                           threads=int(os.environ.get(THREADS_ENV, "1")),
-                                           lora_rank=rl.lora.rank if gen.weight_sync == "adapter" else None)
-        else:
-            self.generator = HFGenerator(load_causal_lm(model_path, rl.model), tokenizer.eos_token_id, tokenizer.pad_token_id,
-                                         gen.batch_size)
-
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Rollout]:
-        self.calls += 1
-        if self.kill_at_call == str(self.calls):  # fault injection (tests): the engine dies mid-rollout
-            os._exit(17)
-        return self.generator.generate(prompts, params)
-
-    def score(self, sequences: list[list[int]]) -> list[list[float]]:
-        return self.generator.score(sequences)
-
-    def load_weights(self, state: dict[str, torch.Tensor]) -> None:
-        self.generator.load_weights(state)
-
-    def load_adapter(self, adapter) -> None:
-        self.generator.load_adapter(*adapter)
-
-    def sleep(self) -> None:
-        self.generator.sleep()
-
-    def wake_up(self) -> None:
-        self.generator.wake_up()

@@ -40,7 +40,7 @@ def main(cfg: PipelineConfig, stage: str, output_uri: str | None = None, inputs:
     rm = run.section
     base = run.base_model()
     tokenizer = load_tokenizer(base)
-    train, held, stats = load_pairs(rm.data, tokenizer, rm.batch.seed, f"{stage}.data")  # bad data fails before any model work
+    train, held, stats = load_pairs(run.data, tokenizer, rm.batch.seed, f"{stage}.data")  # bad data fails before any model work
     steps = total_steps(len(train), rm, "pairs")
 
     strategy = Strategy(rm.deepspeed, rm.batch, rm.optim)

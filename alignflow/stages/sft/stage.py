@@ -52,7 +52,7 @@ def main(cfg: PipelineConfig, stage: str, output_uri: str | None = None, inputs:
     sft = run.section
     base = run.base_model()
     tokenizer = load_tokenizer(base)
-    train, held, stats = load_sft_samples(sft.data, tokenizer, sft.batch.seed, f"{stage}.data")  # bad data fails before any model work
+    train, held, stats = load_sft_samples(run.data, tokenizer, sft.batch.seed, f"{stage}.data")  # bad data fails before any model work
     data = SFTData(pack(train, sft.data.max_len) if sft.data.packing else train,
                    pack(held, sft.data.max_len) if sft.data.packing else held, stats, sft.data.packing)
     steps = total_steps(len(data.train), sft, "rows after packing" if sft.data.packing else "rows")
