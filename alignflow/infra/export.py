@@ -54,10 +54,13 @@ def export_model(source: str, dest: str, tracking_uri: str | None = None) -> lis
     if published is None:
         raise ExportError(f"{stage} has no verified MANIFEST.json: not a complete published stage")
     copies = {rel.removeprefix("model/"): rel for rel in published.files if rel.startswith("model/")}
+    if not copies:  # a dataset stage (generate, label, select): its Parquet parts, as `datasets` loads them
+        copies = {rel: rel for rel in published.files if rel.startswith("data/")}
     if not copies:
-        raise ExportError(f"{stage} publishes no model/ folder")
-    if "MODEL_CARD.md" in published.files:
-        copies["MODEL_CARD.md"] = "MODEL_CARD.md"
+        raise ExportError(f"{stage} publishes no model/ folder and no data/ folder")
+    for card in ("MODEL_CARD.md", "DATASET_CARD.md"):
+        if card in published.files:
+            copies[card] = card
     files = {}
     for target_rel, rel in sorted(copies.items()):
         target = storage.join(dest, target_rel)

@@ -114,3 +114,40 @@ def test_compare_graph_runs_branches_at_once_and_a_failed_branch_fails_only_itse
     published = [k for k in new_kto if storage.exists(str(root / "kto" / k / "MANIFEST.json"))]
     assert len(published) == 1  # the kto sibling (5 steps) published; the broken stage did not
 
+
+
+LOOP_FAST = ["--set", "defaults.generate.prompts.max_samples=32", "--set", "defaults.generate.shard_size=16",
+             "--set", "defaults.generate.generation.n_samples_per_prompt=4", "--set", "online.stages.generate.generation.engine=vllm",
+             "--set", "defaults.label.reward=rewards/tiny_tasks.py:partial_credit", "--set", "online.stages.dpo.batch.max_steps=2",
+             "--set", "online.stages.dpo.batch.global_batch_size=8", "--set", "online.stages.dpo.batch.micro_batch_size=8",
+             "--set", "defaults.dpo.logging.eval_every=2", "--set", "defaults.dpo.data.eval_path=null",
+             "--set", "defaults.dpo.data.eval_fraction=0.1", "--set", "defaults.eval.prompts.max_samples=32"]
+
+
+def test_iterative_dpo_on_vllm_runs_by_rounds_and_more_rounds_rerun_none(services, tmp_path):
+    """The iterative-DPO graph with vLLM engines through Prefect -> Ray -> MLflow -> S3; raising the rounds from 1
+    to 2 takes round 1 from the cache, and round 2 samples from round 1's model."""
+    from mlflow import MlflowClient
+
+    def run(rounds: int, *until: str) -> dict:
+        out = tmp_path / f"rounds{rounds}.json"
+        proc = alignflow(services, "run", "configs/tiny-iterative-dpo.yaml", "--set", f"storage.root={ROOT_S3}",
+                         "--set", "name=e2e-loop", "--set", f"online.rounds={rounds}", *FAST_SFT, *EVAL_FAST, *LOOP_FAST,
+                         *until, "--summary-json", str(out))
+        assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+        return {s["stage"]: s for s in json.loads(out.read_text())["stages"]}
+
+    one = run(1, "--until", "online.1.dpo")
+    assert [s["kind"] for s in one.values()] == ["sft", "generate", "label", "select", "dpo"]
+    two = run(2)
+    assert all(two[name]["cached"] and two[name]["uri"] == one[name]["uri"] for name in one if name.startswith("online.1."))
+    assert not two["online.2.generate"]["cached"] and not two["eval"]["cached"]
+    generated = json.loads(storage.read_text(storage.join(two["online.2.generate"]["uri"], "MANIFEST.json")))
+    assert generated["inputs"]["upstream:from"]["uri"] == two["online.1.dpo"]["uri"]  # round 2 samples from round 1's model
+    assert generated["metrics"]["generate/rows"] == 32 * 4 and "data/part-00001.parquet" in generated["files"]
+    trained = json.loads(storage.read_text(storage.join(two["online.2.dpo"]["uri"], "MANIFEST.json")))
+    assert trained["inputs"]["upstream:data"]["uri"] == two["online.2.select"]["uri"]
+    run_inputs = MlflowClient(services["mlflow"]).get_run(two["online.2.dpo"]["mlflow_run_id"]).inputs.dataset_inputs
+    assert any(two["online.2.select"]["uri"] in d.dataset.source for d in run_inputs)  # the dataset stage, as an MLflow input
+    assert set(json.loads(storage.read_text(storage.join(two["eval"]["uri"], "metrics.json")))["models"]) == {
+        "sft", "online.1.dpo", "online.2.dpo"}

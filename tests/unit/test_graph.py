@@ -33,7 +33,7 @@ def _in_repo_root(monkeypatch):
 
 def test_unknown_kind_names_line_and_stage(tmp_path):
     msg = error(tmp_path, "dpo:\n  from: sft\nbest:\n  kind: ppo\n  from: sft\n")
-    assert "g.yaml:6: stage 'best': kind 'ppo' is unknown; set `kind:` to one of sft, rm, dpo, kto, rl, eval" in msg
+    assert "g.yaml:6: stage 'best': kind 'ppo' is unknown; set `kind:` to one of sft, rm, dpo, kto, rl, eval, generate, label, select" in msg
 
 
 def test_stage_without_kind_whose_name_is_no_kind(tmp_path):

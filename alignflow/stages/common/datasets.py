@@ -140,11 +140,12 @@ def published_rows(stage_uri: str) -> list[dict[str, Any]]:
     return [row for name in names for row in read_table_rows(storage.join(root, name))]
 
 
-def dataset_file(sources: list[tuple[str, str]]) -> str:
-    """One local Parquet file with the rows of the published datasets (uri, manifest digest), in order; written once
-    per set of digests into the cache (a race between ranks: each writes its own temp file, the rename is atomic)."""
+def dataset_file(sources: list[tuple[str, str]], names: list[str]) -> str:
+    """One local Parquet file with the rows of the published datasets (uri, manifest digest), in order, named after
+    their stages (`names`: what a data error shows); written once per set of digests into the cache (ranks racing
+    each write their own temp file, and the rename is atomic)."""
     digest = hashlib.sha256("|".join(d for _, d in sources).encode()).hexdigest()[:32]
-    dest = cache_root() / "datasets" / f"{digest}.parquet"
+    dest = cache_root() / "datasets" / digest / f"{'+'.join(names)[:200]}.parquet"
     if not dest.exists():
         dest.parent.mkdir(parents=True, exist_ok=True)
         rows = [row for uri, _ in sources for row in published_rows(uri)]

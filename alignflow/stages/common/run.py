@@ -112,8 +112,9 @@ class TrainingRun:
         data = self.section.data
         if data.stage is None:
             return data
-        sources = [(self.inputs[role], self.input_digests[role]) for role in data_edges(data)]
-        return data.model_copy(update={"path": dataset_file(sources), "stage": None})
+        edges = data_edges(data)
+        sources = [(self.inputs[role], self.input_digests[role]) for role in edges]
+        return data.model_copy(update={"path": dataset_file(sources, list(edges.values())), "stage": None})
 
     def cached_result(self) -> dict[str, Any]:
         print(f"{self.stage}: already complete at {self.out} (cache key {self.key})", flush=True)
@@ -156,7 +157,9 @@ class TrainingRun:
         self.log = MetricsLog(trainer.is_main, total_steps, self.section.logging.progress, headline, history)
         self.tracking = StageTracking(trainer.is_main)
         datasets = {n: (src, self.fingerprints[n]) for n, src in data_sources(self.section).items() if n in ("data", "eval_data")}
-        datasets.update({role: (self.inputs[role], self.input_digests[role]) for role in data_edges(self.section.data)})
+        for role in data_edges(self.section.data):  # a dataset stage's rows: its manifest has the schema
+            published = manifest.read_manifest(self.inputs[role])
+            datasets[role] = (self.inputs[role], self.input_digests[role], published.meta.get("schema") if published else None)
         self.tracking.log_datasets(datasets)
         self.log.add_sink(self.tracking.log_metrics)
         for record in history:  # a resumed attempt runs under a new MLflow run: give it the whole curve

@@ -49,16 +49,20 @@ class StageTracking:
         except Exception as exc:  # noqa: BLE001 - monitoring is never worth failing a stage for
             log.warning("system metrics are off for MLflow run %s: %s", self.run_id, exc)
 
-    def log_datasets(self, datasets: dict[str, tuple[str, str]]) -> None:
-        """The stage's data files as MLflow dataset inputs: name -> (source, sha256 digest)."""
+    def log_datasets(self, datasets: dict[str, tuple]) -> None:
+        """The stage's data as MLflow dataset inputs: name -> (source, sha256 digest[, schema {column: type}])."""
         if not (self.client and datasets):
             return
+        import json
+
         from mlflow.entities import Dataset, DatasetInput, InputTag
 
-        inputs = [DatasetInput(Dataset(name=Path(source).name, digest=digest[:36], source_type="path" if "://" not in source
-                                       else source.split("://")[0], source=source),
-                               tags=[InputTag("mlflow.data.context", DATA_CONTEXTS.get(name.split(":")[0], name))])
-                  for name, (source, digest) in datasets.items()]
+        def entity(source: str, digest: str, schema: dict | None = None) -> Dataset:
+            return Dataset(name=Path(source).name, digest=digest[:36], source_type="path" if "://" not in source else source.split("://")[0],
+                           source=source, schema=json.dumps({"columns": schema}) if schema else None)
+
+        inputs = [DatasetInput(entity(*value), tags=[InputTag("mlflow.data.context", DATA_CONTEXTS.get(name.split(":")[0], name))])
+                  for name, value in datasets.items()]
         try:
             self.client.log_inputs(self.run_id, datasets=inputs)
         except Exception as exc:

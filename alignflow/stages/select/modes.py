@@ -76,10 +76,11 @@ def kto(group: list[Row], threshold: float | None = None, top: int = 1) -> list[
 def select(rows: list[Row], mode: str, threshold: float | None = None, min_margin: float = 0.0, top: int = 1,
            dedupe: bool = True) -> tuple[list[Row], int]:
     """Training rows from labelled rows (grouped by `prompt_index`, in order of first appearance), and how many
-    prompts gave none."""
+    prompts gave none. Empty completions (a sample that ended at once) are left out: no training row is empty."""
     groups: dict[Any, list[Row]] = {}
     for r in rows:
-        groups.setdefault(r["prompt_index"], []).append(r)
+        if r["completion"].strip():
+            groups.setdefault(r["prompt_index"], []).append(r)
     out, empty = [], 0
     for group in groups.values():
         if mode == "best_of_n":

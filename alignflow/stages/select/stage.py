@@ -29,6 +29,7 @@ def main(cfg: PipelineConfig, stage: str, output_uri: str | None = None, inputs:
     rows = published_rows(run.inputs["data"])
     selected, empty = select(rows, section.mode, section.threshold, section.min_margin, section.top, section.dedupe)
     prompts = len({r["prompt_index"] for r in rows})
+    empty += prompts - len({r["prompt_index"] for r in rows if r["completion"].strip()})
     print(f"{stage}: {section.mode}: {len(selected)} rows from {len(rows)} scored completions of {prompts} prompts "
           f"({empty} prompts gave none)", flush=True)
     if not selected:
