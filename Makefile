@@ -52,6 +52,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/generation_throughput.py
 	$(PY) benchmarks/generation_throughput.py --rl
 	$(PY) benchmarks/lora_memory.py
+	$(PY) benchmarks/data_loops.py --learning --throughput
 
 clean:
 	rm -rf outputs .pytest_cache

@@ -219,7 +219,7 @@ def plan_rl(cfg, stage: str, gpu_bytes: float) -> StagePlan:
 
 def plan_stage(cfg, stage: str, gpu_bytes: float, workers: int) -> StagePlan | None:
     kind = cfg.kind(stage).value
-    if kind == "eval":
+    if not cfg.kind(stage).makes_model:  # eval and the dataset stages train nothing (generate's engines: not yet planned)
         return None
     if kind == "rl":
         return plan_rl(cfg, stage, gpu_bytes)

@@ -119,8 +119,10 @@ def _stage_artifact(result: StageResult, tracker: Tracker) -> None:
     """A markdown artifact on the task run: the stage's figures, where it published, its MLflow run."""
     from prefect.artifacts import create_markdown_artifact
 
-    shown = {k: v for k, v in sorted(result.metrics.items()) if k.startswith(("eval/", "data/")) or result.kind == "eval"}
-    lines = [f"### {result.stage} ({result.kind}): {'cache hit' if result.cached else 'trained'} in {result.seconds:.1f} s", "",
+    whole = result.kind in ("eval", "generate", "label", "select")  # their figures are few and all worth showing
+    shown = {k: v for k, v in sorted(result.metrics.items()) if k.startswith(("eval/", "data/")) or whole}
+    done = "cache hit" if result.cached else ("made" if result.kind in ("generate", "label", "select") else "trained")
+    lines = [f"### {result.stage} ({result.kind}): {done} in {result.seconds:.1f} s", "",
              f"- published: `{result.uri}`",
              f"- MLflow run: {tracker.run_url(result.mlflow_run_id) if result.mlflow_run_id else 'none'}", "",
              "| metric | value |", "|---|---|", *[f"| {k} | {v:.4g} |" for k, v in shown.items()]]
