@@ -106,7 +106,8 @@ def test_prefect_yaml_deploys_to_a_process_work_pool_and_a_worker_runs_it(servic
     from alignflow.config import load_config
 
     spec = yaml.safe_load((ROOT / "prefect.yaml").read_text())
-    assert {d["name"] for d in spec["deployments"]} == {"tiny", "tiny-ppo", "tiny-grpo", "tiny-tulu3", "tiny-compare", "tiny-multiturn"}
+    assert {d["name"] for d in spec["deployments"]} == {"tiny", "tiny-ppo", "tiny-grpo", "tiny-tulu3", "tiny-compare", "tiny-multiturn",
+                                                       "tiny-rejection-sampling", "tiny-iterative-dpo"}
     assert all(not s["active"] for d in spec["deployments"] for s in d["schedules"])
     for d in spec["deployments"]:  # every deployment names a shipped config, loadable as is (base: included)
         load_config(ROOT / d["parameters"]["config"], d["parameters"]["overrides"])

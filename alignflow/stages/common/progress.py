@@ -44,7 +44,8 @@ def _duration(seconds: float) -> str:
 class MetricsLog:
     """Rank 0's record of a stage's metrics. Other ranks hold an inactive one."""
 
-    def __init__(self, active: bool, total_steps: int, show_progress: bool, headline: str, history: list[dict] | None = None):
+    def __init__(self, active: bool, total_steps: int, show_progress: bool, headline: str, history: list[dict] | None = None,
+                 label: str = "train"):
         self.active, self.headline, self.total = active, grouped(headline), total_steps
         self.history: list[dict[str, Any]] = list(history or [])
         self._first_step = self.history[-1]["step"] if self.history else 0  # a resumed run's ETA counts from here
@@ -56,7 +57,7 @@ class MetricsLog:
                 TextColumn("{task.fields[figure]}"), TimeRemainingColumn(), transient=False,
             )
             done = self.history[-1]["step"] if self.history else 0
-            self._task = self._bar.add_task("train", total=total_steps, completed=done, figure="")
+            self._task = self._bar.add_task(label, total=total_steps, completed=done, figure="")
             self._bar.start()
         self._sink = None
 

@@ -57,7 +57,8 @@ def main(cfg: PipelineConfig, stage: str, output_uri: str | None = None, inputs:
 
     # ------------------------------------------------------------------ generate
     tracking = StageTracking(True)
-    log = MetricsLog(True, len(shards), True, f"{stage}: generate", None)
+    done = [{"step": len(shards) - len(todo)}] if len(todo) < len(shards) else None  # the bar starts at the shards stored
+    log = MetricsLog(True, len(shards), True, "generate/tokens_per_s", done, label="generate")
     log.add_sink(tracking.log_metrics)
     totals = {"rows": 0, "tokens": 0, "seconds": 0.0}
     if todo:
