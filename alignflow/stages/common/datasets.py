@@ -23,6 +23,9 @@ from alignflow.stages.common.publish import finish_publish, publish_dir
 
 DATA_DIR = "data"
 SHARDS_DIR = "checkpoints/shards"  # not published: a generate run's finished shards, for resume
+# What the generate stage writes for each sample, and what label adds; every other column is the prompt row's own.
+GENERATED_COLUMNS = ("prompt", "completion", "prompt_ids", "completion_ids", "logprobs", "finish_reason", "prompt_index", "sample_index")
+SCORE_COLUMNS = ("reward", "rm_score", "score")
 
 
 def part_name(k: int) -> str:

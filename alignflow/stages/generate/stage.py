@@ -20,7 +20,7 @@ from typing import Any
 
 from alignflow.config import PipelineConfig
 from alignflow.stages.common.data import every_row, load_rows, prompt_value
-from alignflow.stages.common.datasets import ShardStore, publish_rows
+from alignflow.stages.common.datasets import GENERATED_COLUMNS, ShardStore, publish_rows
 from alignflow.stages.common.generation import Rollout, SamplingParams
 from alignflow.stages.common.models import load_tokenizer
 from alignflow.stages.common.progress import MetricsLog
@@ -111,14 +111,12 @@ def shard_rows(shard: list[tuple[PromptRow, Any]], first_index: int, rollouts: l
     return out
 
 
-GENERATED_COLUMNS = ("prompt", "completion", "prompt_ids", "completion_ids", "logprobs", "finish_reason", "prompt_index", "sample_index")
-
-
 def publish(run: TrainingRun, tracking: StageTracking, parts: list[list[dict]], totals: dict[str, float], data_stats: dict) -> dict[str, Any]:
+    rows = [r for p in parts for r in p]
     return publish_rows(run, tracking, parts, {
-        "generate/rows": float(sum(len(p) for p in parts)),
+        "generate/rows": float(len(rows)),
         "generate/prompts": float(data_stats["train"]["used"]),
-        "generate/finished_fraction": sum(r["finish_reason"] == "stop" for p in parts for r in p) / max(1, sum(len(p) for p in parts)),
-        "generate/mean_completion_tokens": sum(len(r["completion_ids"]) for p in parts for r in p) / max(1, sum(len(p) for p in parts)),
+        "generate/finished_fraction": sum(r["finish_reason"] == "stop" for r in rows) / max(1, len(rows)),
+        "generate/mean_completion_tokens": sum(len(r["completion_ids"]) for r in rows) / max(1, len(rows)),
         **({"generate/tokens_per_s": totals["tokens"] / totals["seconds"]} if totals["seconds"] else {}),
     })

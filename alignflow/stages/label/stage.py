@@ -16,15 +16,14 @@ from typing import Any, Callable
 
 from alignflow.config import PipelineConfig
 from alignflow.stages.common.data import DataError
-from alignflow.stages.common.datasets import publish_rows, published_rows
+from alignflow.stages.common.datasets import GENERATED_COLUMNS, SCORE_COLUMNS, publish_rows, published_rows
 from alignflow.stages.common.models import fetch_published_model
 from alignflow.stages.common.run import TrainingRun
 from alignflow.stages.common.tracking import StageTracking
 from alignflow.stages.label.config import LabelConfig
+from alignflow.stages.rl.data import reward_prompt
 from alignflow.stages.rl.rewards import FunctionReward, RewardError
 
-GENERATED = ("prompt", "completion", "prompt_ids", "completion_ids", "logprobs", "finish_reason", "prompt_index", "sample_index")
-SCORES = ("reward", "rm_score", "score")
 
 
 def main(cfg: PipelineConfig, stage: str, output_uri: str | None = None, inputs: dict[str, str] | None = None,
@@ -67,10 +66,8 @@ def main(cfg: PipelineConfig, stage: str, output_uri: str | None = None, inputs:
 
 def function_scores(function: FunctionReward, rows: list[dict[str, Any]]) -> list[float]:
     """The reward function over rows of a generated dataset (its prompt text: a conversation's last user turn)."""
-    columns = sorted({k for r in rows for k in r if k not in GENERATED and k not in SCORES})
-    prompts = [r["prompt"] if isinstance(r["prompt"], str) else
-               next((m["content"] for m in reversed(r["prompt"]) if m["role"] == "user"), r["prompt"][-1]["content"]) for r in rows]
-    return function(prompts, [r["completion"] for r in rows], [r["prompt_ids"] for r in rows], [r["completion_ids"] for r in rows],
+    columns = sorted({k for r in rows for k in r if k not in GENERATED_COLUMNS and k not in SCORE_COLUMNS})
+    return function([reward_prompt(r["prompt"]) for r in rows], [r["completion"] for r in rows], [r["prompt_ids"] for r in rows], [r["completion_ids"] for r in rows],
                     {k: [r.get(k) for r in rows] for k in columns}).tolist()
 
 

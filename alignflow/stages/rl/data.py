@@ -25,8 +25,14 @@ def prompt_row(row: dict, where: str, tokenizer, cfg: PromptDataConfig, section:
     ids = encode(tokenizer, prompt_text(tokenizer, prompt, where))
     if len(ids) >= cfg.max_len:
         raise prompt_too_long(where, len(ids), cfg.max_len, section)
-    text = prompt if isinstance(prompt, str) else next((m["content"] for m in reversed(prompt) if m["role"] == "user"), prompt[-1]["content"])
-    return PromptRow(text, ids, {k: v for k, v in row.items() if k != cfg.prompt_key})
+    return PromptRow(reward_prompt(prompt), ids, {k: v for k, v in row.items() if k != cfg.prompt_key})
+
+
+def reward_prompt(prompt: str | list[dict]) -> str:
+    """The prompt as a reward function gets it: the text, or a conversation's last user message."""
+    if isinstance(prompt, str):
+        return prompt
+    return next((m["content"] for m in reversed(prompt) if m["role"] == "user"), prompt[-1]["content"])
 
 
 def load_prompts(cfg: PromptDataConfig, tokenizer, seed: int, section: str = "data") -> tuple[list[PromptRow], list[PromptRow], dict]:

@@ -15,13 +15,16 @@ from __future__ import annotations
 
 from typing import Any
 
+from alignflow.stages.common.datasets import GENERATED_COLUMNS, SCORE_COLUMNS
+
 Row = dict[str, Any]
-# Columns of a labelled row that training rows do not carry (training re-tokenizes the text).
-DROPPED = ("completion", "prompt_ids", "completion_ids", "logprobs", "finish_reason", "sample_index", "reward", "rm_score", "score")
+# Of a labelled row's own columns, training rows keep the prompt's place only (training re-tokenizes the text).
+KEPT = ("prompt_index",)
 
 
 def extra(row: Row) -> Row:
-    return {k: v for k, v in row.items() if k not in DROPPED and k != "prompt"}
+    """The prompt row's other columns (e.g. `answer`), and its index."""
+    return {k: v for k, v in row.items() if k in KEPT or (k not in GENERATED_COLUMNS and k not in SCORE_COLUMNS)}
 
 
 def ranked(group: list[Row]) -> list[Row]:
