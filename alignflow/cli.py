@@ -299,6 +299,65 @@ def serve(
         prefect_serve(*deployments)
 
 
+@app.command("reward-server")
+def reward_server(
+    model: Annotated[str, typer.Option(help="an rm stage's name (with --config), its published folder/URI, or a reward-model folder")],
+    config: Annotated[Optional[Path], typer.Option("--config", "-c", help="the config whose published rm stage --model names")] = None,
+    overrides: SetOpt = None,
+    host: Annotated[str, typer.Option(help="address to bind (0.0.0.0 to serve other machines)")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="port (0: any free one; the URL is printed)")] = 8000,
+    normalize: Annotated[bool, typer.Option(help="(s - mean) / std with the rm stage's statistics, as rl's reward.normalize")] = True,
+    batch_size: Annotated[int, typer.Option(help="sequences per forward pass")] = 64,
+    auth_env: Annotated[Optional[str], typer.Option(help="require `Authorization: Bearer $VAR` (the variable's name)")] = None,
+) -> None:
+    """Serve a reward model on the remote-reward contract: an rl stage's `reward.url: http://HOST:PORT/score`."""
+    from alignflow.stages.rm.server import serve as serve_rewards
+
+    folder = _reward_model_folder(model, _load(config, overrides) if config else None)
+    try:
+        server = serve_rewards(folder, host, port, normalize, batch_size, auth_env)
+    except ValueError as exc:  # not a reward model, no statistics to normalise with, a missing token variable
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(BAD_INPUT) from None
+    typer.echo(f"reward server: http://{host}:{server.server_address[1]}/score (model {folder})")
+    sys.stdout.flush()
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+
+
+def _reward_model_folder(model: str, cfg) -> str:
+    """A local folder for --model: the config's published rm stage of that name, a published stage (its verified
+    `model/`, downloaded once if remote), or a folder as is."""
+    from alignflow.infra import manifest
+    from alignflow.stages.common.models import fetch_published_model
+
+    if cfg is not None:
+        if model not in cfg.stages:
+            typer.echo(f"error: --model {model!r} is not a stage of the config (stages: {', '.join(cfg.stages)})", err=True)
+            raise typer.Exit(BAD_INPUT)
+        from alignflow.lineage import published_uri
+
+        uri = published_uri(cfg, model)
+        if uri is None:
+            typer.echo(f"error: stage {model!r} is not published for this config: run it first", err=True)
+            raise typer.Exit(BAD_INPUT)
+        model = uri
+    published, problem = manifest.check(model)
+    if problem:
+        typer.echo(f"error: --model {model}: {problem}", err=True)
+        raise typer.Exit(BAD_INPUT)
+    if published is not None:
+        return fetch_published_model(model, published.digest)
+    if not Path(model, "config.json").exists():
+        typer.echo(f"error: --model {model}: neither a published stage (MANIFEST.json) nor a model folder (config.json)", err=True)
+        raise typer.Exit(BAD_INPUT)
+    return model
+
+
 @app.command()
 def export(
     source: Annotated[str, typer.Argument(help="a published stage folder/URI, or models:/NAME@ALIAS or models:/NAME/VERSION")],

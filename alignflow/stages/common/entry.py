@@ -15,7 +15,7 @@ from importlib import import_module
 from typing import Any, Callable
 
 from alignflow.config import ConfigError, PipelineConfig, load_config
-from alignflow.exit_codes import BAD_INPUT
+from alignflow.exit_codes import BAD_INPUT, SERVICE_UNAVAILABLE
 from alignflow.infra.lease import LEASE_ENV, Watcher
 from alignflow.infra.secrets import load_job_secrets
 
@@ -39,6 +39,7 @@ def stage_main(cfg: PipelineConfig, stage: str) -> StageMain:
 
 def run_stage_cli(argv: list[str] | None = None) -> int:
     from alignflow.stages.common.data import DataError
+    from alignflow.stages.rl.remote import ServiceUnavailable
 
     parser = argparse.ArgumentParser(prog="python -m alignflow.stages")
     parser.add_argument("--config", required=True, help="pipeline config YAML")
@@ -59,6 +60,9 @@ def run_stage_cli(argv: list[str] | None = None) -> int:
     except (ConfigError, DataError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return BAD_INPUT
+    except ServiceUnavailable as exc:  # an outage, not the user's input: the task retries the stage
+        print(f"error: {exc}", file=sys.stderr)
+        return SERVICE_UNAVAILABLE
     if args.summary_json and os.environ.get("RANK", "0") == "0":  # one writer when several workers run
         with open(args.summary_json, "w") as f:
             json.dump(summary, f, indent=2)

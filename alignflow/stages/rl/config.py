@@ -40,15 +40,33 @@ class KLEstimator(str, enum.Enum):
 
 
 
+class RemoteRewardConfig(Frozen):
+    """How `reward.url` is called (`stages/rl/remote.py`): none of it changes the scores, so none is in the cache key."""
+
+    timeout_s: float = Field(60.0, gt=0, description="Seconds to wait for one batch's reply.", json_schema_extra=NOT_RESULT)
+    retries: int = Field(4, ge=0, description="Retries of a batch after a refused connection, a timeout, HTTP 5xx/408/429.",
+                         json_schema_extra=NOT_RESULT)
+    backoff_s: float = Field(1.0, ge=0, description="Wait before the first retry; doubles per retry (at most 30 s).",
+                             json_schema_extra=NOT_RESULT)
+    batch_size: int = Field(64, ge=1, description="Samples per request.", json_schema_extra=NOT_RESULT)
+    concurrency: int = Field(4, ge=1, description="Requests in flight at once.", json_schema_extra=NOT_RESULT)
+    auth_env: str | None = Field(None, description="Environment variable holding a bearer token, sent as "
+                                                   "`Authorization: Bearer <value>`; never logged.", json_schema_extra=NOT_RESULT)
+
+
 class RewardConfig(Frozen):
-    """Where single-turn rewards come from: exactly one of `function` and `model`, unless `rl.environment`
-    gives the rewards (then neither)."""
+    """Where single-turn rewards come from: exactly one of `function`, `model` and `url`, unless `rl.environment`
+    gives the rewards (then none)."""
 
     function: str | None = Field(None, description="`path/to/file.py:name`: called with prompts, completions, their token "
                                                    "ids and the rows' other columns; returns one float per sample.",
                                  json_schema_extra=NOT_RESULT)  # enters the cache key as the file's content hash
     model: str | None = Field(None, description="The rm stage to score with (its name); a PPO critic starts from it too.",
                               json_schema_extra=NOT_RESULT)  # a name: its output's digest enters the cache key instead
+    url: str | None = Field(None, description="A reward service (http:// or https://): POSTs batches of samples as JSON, "
+                                              "reads one score per sample (`stages/rl/remote.py`; `alignflow reward-server` "
+                                              "serves an rm stage so).")  # in the cache key: another service, other scores
+    http: RemoteRewardConfig = RemoteRewardConfig()
     normalize: bool = Field(True, description="Reward-model scores as (s - mean) / std with the rm stage's stored figures.")
     overlong_buffer: int = Field(0, ge=0, description="DAPO's soft overlong penalty: the last N tokens before max_new_tokens.")
     overlong_penalty: float = Field(1.0, ge=0, description="Penalty at max_new_tokens, linear over the buffer.")
@@ -57,6 +75,13 @@ class RewardConfig(Frozen):
     @classmethod
     def _function_file_exists(cls, v: str | None) -> str | None:
         return v if v is None else python_object_spec(v, "reward function", "function_name")
+
+    @field_validator("url")
+    @classmethod
+    def _http_url(cls, v: str | None) -> str | None:
+        if v is not None and not (v.startswith(("http://", "https://")) and len(v.split("://", 1)[1]) > 0):
+            raise ValueError(f"reward.url must be an http:// or https:// URL, got {v!r}")
+        return v
 
 
 class EnvironmentConfig(Frozen):
@@ -155,9 +180,10 @@ class RLConfig(TrainingSection):
     @model_validator(mode="after")
     def _one_reward_source(self) -> "RLConfig":
         given = [name for name, on in (("reward.function", bool(self.reward.function)), ("reward.model", bool(self.reward.model)),
-                                       ("environment", self.environment is not None)) if on]
+                                       ("reward.url", bool(self.reward.url)), ("environment", self.environment is not None)) if on]
         if len(given) != 1:
-            raise ValueError(f"give exactly one reward source: `reward.function: file.py:name`, `reward.model: <rm stage>` or "
+            raise ValueError(f"give exactly one reward source: `reward.function: file.py:name`, `reward.model: <rm stage>`, "
+                             f"`reward.url: http://…` or "
                              f"`environment: {{path: file.py:ClassName}}` (an environment gives its own rewards); "
                              f"got {', '.join(given) if given else 'none'}")
         return self

@@ -78,7 +78,8 @@ class Executor(Protocol):
 
 
 class Scorer:
-    """One reward per response: the reward function, or the reward model (`score_ids`), plus the penalty."""
+    """One reward per response: the reward function (or service: the same call), or the reward model (`score_ids`),
+    plus the penalty."""
 
     def __init__(self, tokenizer, function: FunctionReward | None, score_ids: Callable[[list[list[int]]], torch.Tensor] | None,
                  penalty: Penalty):

@@ -45,6 +45,17 @@ def load_function(spec: str, kind: str = "function") -> Callable[..., Any]:
     return fn
 
 
+def checked_scores(values: list[Any], source: str, prompts: list[str], completions: list[str]) -> torch.Tensor:
+    """One finite number per sample, as a (N,) tensor; else a `RewardError` naming `source` and the sample."""
+    if len(values) != len(prompts):
+        raise RewardError(f"{source} returned {len(values)} values for {len(prompts)} samples")
+    for i, v in enumerate(values):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise RewardError(f"{source} returned {v!r} for sample {i} "
+                              f"(prompt {prompts[i]!r}, completion {completions[i]!r}): rewards must be finite numbers")
+    return torch.tensor(values, dtype=torch.float32)
+
+
 class FunctionReward:
     def __init__(self, spec: str):
         self.spec, self.fn = spec, load_function(spec)
@@ -56,13 +67,7 @@ class FunctionReward:
             values = list(self.fn(**args))
         except Exception as exc:
             raise self._first_failure(args, exc) from exc
-        if len(values) != len(prompts):
-            raise RewardError(f"reward function {self.spec} returned {len(values)} values for {len(prompts)} samples")
-        for i, v in enumerate(values):
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-                raise RewardError(f"reward function {self.spec} returned {v!r} for sample {i} "
-                                  f"(prompt {prompts[i]!r}, completion {completions[i]!r}): rewards must be finite numbers")
-        return torch.tensor(values, dtype=torch.float32)
+        return checked_scores(values, f"reward function {self.spec}", prompts, completions)
 
     def _first_failure(self, args: dict[str, list[Any]], exc: Exception) -> RewardError:
         for i in range(len(args["prompts"])):

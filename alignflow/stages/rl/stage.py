@@ -39,6 +39,7 @@ from alignflow.stages.rl.data import PromptRow, load_prompts
 from alignflow.stages.rl.executors import Episodes, Executor, MultiTurn, Scorer, SingleTurn, action_tokens, load_environment
 from alignflow.stages.rl.experience import Experience
 from alignflow.stages.rl.kl import adaptive_kl_coef, kl_per_token
+from alignflow.stages.rl.remote import RemoteReward
 from alignflow.stages.rl.rewards import FunctionReward, overlong_penalty
 from alignflow.stages.common.vllm_engine import require_vllm
 from alignflow.stages.common.rollout import KILL_ENGINE_ENV, EngineError, RolloutWorker, generate_on  # noqa: F401 (EngineError: re-exported)
@@ -62,7 +63,7 @@ def main(cfg: PipelineConfig, stage: str, output_uri: str | None = None, inputs:
     tokenizer = load_tokenizer(base)
     train, held, stats = load_prompts(run.data, tokenizer, rl.batch.seed, f"{stage}.data")  # bad data fails before any model work
     # Reward sources load before any worker starts, so a broken file fails fast.
-    function = FunctionReward(rl.reward.function) if rl.reward.function else None
+    function = reward_function(rl)
     environment = load_environment(rl.environment.path) if rl.environment else None
     steps = total_steps(len(train), rl, "prompts", ("rollout.prompts_per_step", rl.rollout.prompts_per_step))
     disconnect = connect_ray()
@@ -94,7 +95,18 @@ def reward_model_path(run: TrainingRun, rl: RLConfig) -> str | None:
     return fetch_published_model(run.inputs["reward_model"], run.input_digests["reward_model"])
 
 
-def make_executor(rl: RLConfig, tokenizer, roles: "Roles", function: FunctionReward | None, environment) -> Executor:
+def reward_function(rl: RLConfig) -> FunctionReward | RemoteReward | None:
+    """The reward function, or the reward service (already answering: a down service fails here, before any worker)."""
+    if rl.reward.url:
+        h = rl.reward.http
+        remote = RemoteReward(rl.reward.url, timeout_s=h.timeout_s, retries=h.retries, backoff_s=h.backoff_s,
+                              batch_size=h.batch_size, concurrency=h.concurrency, auth_env=h.auth_env)
+        remote.check()
+        return remote
+    return FunctionReward(rl.reward.function) if rl.reward.function else None
+
+
+def make_executor(rl: RLConfig, tokenizer, roles: "Roles", function: FunctionReward | RemoteReward | None, environment) -> Executor:
     """Multi-turn episodes with the environment, else one response per sample scored by the reward source."""
     g, r = rl.generation, rl.reward
     penalty = lambda lengths: overlong_penalty(lengths, g.max_new_tokens, r.overlong_buffer, r.overlong_penalty)  # noqa: E731
