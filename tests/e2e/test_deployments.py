@@ -69,7 +69,7 @@ def test_served_deployment_runs_from_the_prefect_cli_and_a_flow_run_retry_resume
             assert time.time() < deadline, "deployment alignment/tiny never appeared"
             time.sleep(2)
         listed = prefect_cli(services, "deployment", "ls").stdout
-        for variant in ("tiny", "tiny-ppo", "tiny-grpo", "tiny-tulu3", "tiny-compare", "tiny-multiturn"):
+        for variant in ("tiny", "tiny-ppo", "tiny-grpo", "tiny-tulu3", "tiny-compare", "tiny-multiturn", "tiny-agent"):
             assert f"alignment/{variant}" in listed
         inspected = prefect_cli(services, "deployment", "inspect", "alignment/tiny-ppo").stdout
         assert "configs/tiny-ppo.yaml" in inspected and "sft.batch.max_steps=80" in inspected  # a path, not a copy
@@ -107,7 +107,7 @@ def test_prefect_yaml_deploys_to_a_process_work_pool_and_a_worker_runs_it(servic
 
     spec = yaml.safe_load((ROOT / "prefect.yaml").read_text())
     assert {d["name"] for d in spec["deployments"]} == {"tiny", "tiny-ppo", "tiny-grpo", "tiny-tulu3", "tiny-compare", "tiny-multiturn",
-                                                       "tiny-rejection-sampling", "tiny-iterative-dpo"}
+                                                       "tiny-rejection-sampling", "tiny-iterative-dpo", "tiny-agent"}
     assert all(not s["active"] for d in spec["deployments"] for s in d["schedules"])
     for d in spec["deployments"]:  # every deployment names a shipped config, loadable as is (base: included)
         load_config(ROOT / d["parameters"]["config"], d["parameters"]["overrides"])

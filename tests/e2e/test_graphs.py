@@ -151,3 +151,20 @@ def test_iterative_dpo_on_vllm_runs_by_rounds_and_more_rounds_rerun_none(service
     assert any(two["online.2.select"]["uri"] in d.dataset.source for d in run_inputs)  # the dataset stage, as an MLflow input
     assert set(json.loads(storage.read_text(storage.join(two["eval"]["uri"], "metrics.json")))["models"]) == {
         "sft", "online.1.dpo", "online.2.dpo"}
+
+
+def test_agent_graph_trains_through_its_endpoint(services, tmp_path):
+    """configs/tiny-agent.yaml through Prefect -> Ray -> MLflow -> S3: the agent (openai package only) runs its own loop of
+    calls against the stage's endpoint inside the Ray job, and GRPO trains on the tokens the engine sampled."""
+    from mlflow import MlflowClient
+
+    out = tmp_path / "agent.json"
+    proc = alignflow(services, "run", "configs/tiny-agent.yaml", "--set", f"storage.root={ROOT_S3}", "--set", "name=e2e-agent",
+                     *FAST_SFT, "--set", "rl.batch.max_steps=2", "--set", "rl.logging.eval_every=2", "--summary-json", str(out))
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    rl = {s["stage"]: s for s in json.loads(out.read_text())["stages"]}["rl"]
+    m = rl["metrics"]
+    assert m["train/agent/calls"] > 1 and m["train/logprob_mismatch"] < 1e-4 and m["train/agent/dropped_fraction"] == 0
+    assert 0 <= m["eval/agent/tool_call"] <= 1 and 0 <= m["eval/reward"] <= 1
+    logged = MlflowClient(services["mlflow"]).get_run(rl["mlflow_run_id"]).data.metrics
+    assert "train/agent/calls" in logged and "eval/agent/retried" in logged

@@ -256,3 +256,20 @@ def test_reward_clip_and_importance_floor_are_checked_at_load():
     ok = load_config(tiny, ["rl.kl.placement=reward", "rl.kl.reward_clip=[-1, 1]", "rl.generation.importance_cap=2",
                             "rl.generation.importance_floor=0.5"]).section("rl")
     assert ok.kl.reward_clip == (-1.0, 1.0) and ok.generation.importance_floor == 0.5
+
+
+def test_dropped_samples_are_left_out_of_their_groups_baseline_by_hand():
+    scores = torch.tensor([1.0, 0.0, 5.0, 2.0, 7.0, 3.0])  # two groups of 3; 5.0 and both of 7.0 / 3.0 dropped
+    present = torch.tensor([True, True, False, True, False, False])
+    norm = baselined_scores(Estimator.GROUP_NORM, scores, 3, present=present)
+    assert torch.allclose(norm, torch.tensor([0.5 / 0.5 ** 0.5, -0.5 / 0.5 ** 0.5, 0.0, 0.0, 0.0, 0.0]), atol=1e-5)
+    assert baselined_scores(Estimator.RLOO, scores, 3, present=present).tolist() == [1.0, -1.0, 0.0, 0.0, 0.0, 0.0]
+    assert baselined_scores(Estimator.DR_GRPO, scores, 3, present=present).tolist() == [0.5, -0.5, 0.0, 0.0, 0.0, 0.0]
+    assert baselined_scores(Estimator.REINFORCE, scores, 3, present=present).tolist() == [1.0, 0.0, 0.0, 2.0, 0.0, 0.0]
+
+
+@pytest.mark.parametrize("estimator", [Estimator.GROUP_NORM, Estimator.RLOO, Estimator.DR_GRPO, Estimator.REINFORCE_BASELINE])
+def test_every_sample_present_is_the_plain_baseline(estimator):
+    scores = torch.randn(12, generator=torch.Generator().manual_seed(0))
+    plain = baselined_scores(estimator, scores, 4)
+    assert torch.allclose(baselined_scores(estimator, scores, 4, present=torch.ones(12, dtype=torch.bool)), plain, atol=1e-6)

@@ -27,6 +27,10 @@ class Rollout:
     # Multi-turn trajectories only: 1 = sampled by the policy, 0 = environment token (log-prob 0,
     # no loss). None = every response token was sampled.
     action_mask: list[int] | None = None
+    # Agent episodes whose calls do not extend one another (`rl/agents.py`): the calls sit in one row, each
+    # restarting its position ids at 0 (prompt + response), and transformers keeps attention within each
+    # call (a block-diagonal mask from the position ids). None = 0, 1, 2, ... over the whole row.
+    position_ids: list[int] | None = None
 
 
 @dataclass(frozen=True)

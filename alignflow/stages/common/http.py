@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from http.server import BaseHTTPRequestHandler
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 
@@ -15,3 +15,11 @@ def send_json(handler: BaseHTTPRequestHandler, status: int, payload: dict[str, A
     handler.send_header("Content-Length", str(len(data)))
     handler.end_headers()
     handler.wfile.write(data)
+
+
+class Server(ThreadingHTTPServer):
+    """A thread per connection, and a listen backlog for many clients at once (the default 5 refuses the
+    connections of the 6th and later concurrent episodes)."""
+
+    request_queue_size = 1024
+    daemon_threads = True

@@ -44,10 +44,14 @@ def whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tens
     return (x - mean) * torch.rsqrt(var + eps) * mask
 
 
-def baselined_scores(estimator: Estimator, scores: torch.Tensor, n: int, eps: float = 1e-6) -> torch.Tensor:
-    """Step 1: scores minus the estimator's baseline. `n` consecutive rows share a prompt."""
+def baselined_scores(estimator: Estimator, scores: torch.Tensor, n: int, eps: float = 1e-6,
+                     present: torch.Tensor | None = None) -> torch.Tensor:
+    """Step 1: scores minus the estimator's baseline. `n` consecutive rows share a prompt. `present` (bool) leaves
+    dropped samples out: a group's baseline is over its present members, and a group with fewer than two gets 0."""
     if not estimator.is_group:
-        return scores
+        return scores if present is None else scores * present
+    if present is not None:
+        return _baselined_present(estimator, scores.view(-1, n), present.view(-1, n).to(scores.dtype), eps).view(-1)
     groups = scores.view(-1, n)
     mean = groups.mean(-1, keepdim=True)
     if estimator == Estimator.GROUP_NORM:  # GRPO, Shao et al. 2024 §4.1.2: (r - mean(r)) / std(r)
@@ -55,6 +59,21 @@ def baselined_scores(estimator: Estimator, scores: torch.Tensor, n: int, eps: fl
     if estimator == Estimator.RLOO:  # Ahmadian et al. 2024 Eq. 5: r_i - 1/(n-1) Σ_{j≠i} r_j
         return (groups - (groups.sum(-1, keepdim=True) - groups) / (n - 1)).view(-1)
     return (groups - mean).view(-1)  # Dr. GRPO (Liu et al. 2025 Eq. 3) and REINFORCE++-baseline: r - mean(r)
+
+
+def _baselined_present(estimator: Estimator, groups: torch.Tensor, present: torch.Tensor, eps: float) -> torch.Tensor:
+    """`baselined_scores` over the present members of each group (the same formulas with n = their count)."""
+    count = present.sum(-1, keepdim=True)
+    total = (groups * present).sum(-1, keepdim=True)
+    mean = total / count.clamp(min=1)
+    if estimator == Estimator.GROUP_NORM:
+        std = (((groups - mean) ** 2 * present).sum(-1, keepdim=True) / (count - 1).clamp(min=1)).sqrt()
+        out = (groups - mean) / (std + eps)
+    elif estimator == Estimator.RLOO:
+        out = groups - (total - groups) / (count - 1).clamp(min=1)
+    else:
+        out = groups - mean
+    return out * present * (count >= 2)
 
 
 def token_rewards(scores: torch.Tensor, mask: torch.Tensor, kl: torch.Tensor | None = None,
@@ -100,7 +119,7 @@ def action_order(mask: torch.Tensor) -> torch.Tensor:
 
 def advantages(estimator: Estimator, scores: torch.Tensor, mask: torch.Tensor, *, n: int = 1, gamma: float = 1.0,
                lam: float = 1.0, kl: torch.Tensor | None = None, values: torch.Tensor | None = None,
-               reward_clip: tuple[float, float] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               reward_clip: tuple[float, float] | None = None, present: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(advantages, returns), both (B, R) and 0 on padding and environment tokens. `values` only for gae;
     `n` for group estimators; `reward_clip` bounds the shaped per-token rewards. A mask with holes is
     compacted first (module docstring)."""
@@ -109,15 +128,15 @@ def advantages(estimator: Estimator, scores: torch.Tensor, mask: torch.Tensor, *
         raise ValueError(f"{estimator.value} needs groups of n >= 2 samples per prompt; got n={n} for {scores.numel()} scores")
     index = action_order(mask)
     compact = lambda x: x.gather(-1, index) if x is not None else None  # noqa: E731
-    adv, returns = _contiguous(estimator, scores, compact(mask), n, gamma, lam, compact(kl), compact(values), reward_clip)
+    adv, returns = _contiguous(estimator, scores, compact(mask), n, gamma, lam, compact(kl), compact(values), reward_clip, present)
     return torch.zeros_like(adv).scatter(-1, index, adv), torch.zeros_like(returns).scatter(-1, index, returns)
 
 
 def _contiguous(estimator: Estimator, scores: torch.Tensor, mask: torch.Tensor, n: int, gamma: float, lam: float,
-                kl: torch.Tensor | None, values: torch.Tensor | None, reward_clip: tuple[float, float] | None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+                kl: torch.Tensor | None, values: torch.Tensor | None, reward_clip: tuple[float, float] | None,
+                present: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Steps 1-4 on a mask whose 1s are a prefix of each row."""
-    rewards = token_rewards(baselined_scores(estimator, scores, n), mask, kl, reward_clip)
+    rewards = token_rewards(baselined_scores(estimator, scores, n, present=present), mask, kl, reward_clip)
     if estimator.needs_critic:
         if values is None:
             raise ValueError("gae needs the critic's values")

@@ -100,6 +100,28 @@ class EnvironmentConfig(Frozen):
         return python_object_spec(v, "environment", "ClassName")
 
 
+class AgentConfig(Frozen):
+    """An agent in the user's code (`stages/rl/agents.py`): `run(client, row)` with an `openai.OpenAI` client on the
+    stage's OpenAI-compatible endpoint (the API key is the episode id), returning the episode's reward. Its rewards
+    replace `reward.*`; `reward.overlong_*` does not apply."""
+
+    path: str = Field(..., description="`path/to/file.py:run`: run(client, row) -> float | {'reward': float, **metrics}; "
+                                       "`async def` gets an openai.AsyncOpenAI client.", json_schema_extra=NOT_RESULT)
+    concurrency: int = Field(32, ge=1, description="Episodes running at once.", json_schema_extra=NOT_RESULT)
+    timeout_s: float = Field(120.0, gt=0, description="An episode still running after this is dropped.", json_schema_extra=NOT_RESULT)
+    max_dropped_fraction: float = Field(0.1, ge=0, le=1, description="Dropped episodes (raised, timed out, no model "
+                                        "call, bad return) per step past which the stage fails.", json_schema_extra=NOT_RESULT)
+    model_name: str = Field("policy", description="The model name the endpoint serves (`model=` in the agent's calls).",
+                            json_schema_extra=NOT_RESULT)
+    host: str = Field("127.0.0.1", description="Address the endpoint binds (the node's address for agents elsewhere).",
+                      json_schema_extra=NOT_RESULT)
+
+    @field_validator("path")
+    @classmethod
+    def _file_exists(cls, v: str) -> str:
+        return python_object_spec(v, "agent", "function_name")
+
+
 class AdvantageConfig(Frozen):
     estimator: Estimator = Field(Estimator.GROUP_NORM, description="gae | reinforce | reinforce_baseline | rloo | group_norm | dr_grpo")
     gamma: float = Field(1.0, ge=0, le=1)
@@ -170,6 +192,8 @@ class RLConfig(TrainingSection):
     reward: RewardConfig = RewardConfig()
     environment: EnvironmentConfig | None = Field(None, description="Multi-turn episodes with this environment; unset: "
                                                                     "one response per sample, scored by `reward`.")
+    agent: AgentConfig | None = Field(None, description="Episodes run by an agent function in the user's code against an "
+                                                        "OpenAI-compatible endpoint; unset: `reward` or `environment`.")
     advantage: AdvantageConfig = AdvantageConfig()
     kl: KLConfig = KLConfig()
     policy: PolicyLossConfig = PolicyLossConfig()
@@ -180,10 +204,11 @@ class RLConfig(TrainingSection):
     @model_validator(mode="after")
     def _one_reward_source(self) -> "RLConfig":
         given = [name for name, on in (("reward.function", bool(self.reward.function)), ("reward.model", bool(self.reward.model)),
-                                       ("reward.url", bool(self.reward.url)), ("environment", self.environment is not None)) if on]
+                                       ("reward.url", bool(self.reward.url)), ("environment", self.environment is not None),
+                                       ("agent", self.agent is not None)) if on]
         if len(given) != 1:
             raise ValueError(f"give exactly one reward source: `reward.function: file.py:name`, `reward.model: <rm stage>`, "
-                             f"`reward.url: http://…` or "
+                             f"`reward.url: http://…`, `agent: {{path: file.py:run}}` or "
                              f"`environment: {{path: file.py:ClassName}}` (an environment gives its own rewards); "
                              f"got {', '.join(given) if given else 'none'}")
         return self
@@ -203,6 +228,9 @@ class RLConfig(TrainingSection):
         if samples % self.batch.global_batch_size:
             raise ValueError(f"rollout.prompts_per_step x generation.n_samples_per_prompt = {samples} responses per step "
                              f"must be a multiple of batch.global_batch_size ({self.batch.global_batch_size})")
+        if self.agent is not None and self.rollout.dynamic_sampling:
+            raise ValueError("rollout.dynamic_sampling with an agent is not supported: an agent's episodes cannot be re-drawn "
+                             "group by group")
         if self.generation.weight_sync == "adapter" and self.lora is None:
             raise ValueError("generation.weight_sync: adapter pushes the actor's LoRA adapter: it needs a `lora:` section")
         if self.generation.sleep and (not self.workers.gpus_per_worker or self.workers.colocate != "all"):
@@ -222,5 +250,8 @@ class RLConfig(TrainingSection):
         if self.environment:
             path, _, name = self.environment.path.rpartition(":")
             sources[f"environment:{name}"] = path
+        if self.agent:
+            path, _, name = self.agent.path.rpartition(":")
+            sources[f"agent:{name}"] = path
         return sources
 

@@ -51,17 +51,25 @@ class Episodes:
 
     rollouts: list[Rollout]
     scores: torch.Tensor  # (N,)
-    stats: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> (N,)
+    stats: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> (N,); NaN = no value for that sample
+    present: torch.Tensor | None = None  # (N,) bool: False for a dropped agent episode (no tokens, out of the baseline)
 
     def group(self, g: int, n: int) -> "Episodes":
         """The n samples of row g."""
         cut = slice(g * n, (g + 1) * n)
-        return Episodes(self.rollouts[cut], self.scores[cut], {k: v[cut] for k, v in self.stats.items()})
+        return Episodes(self.rollouts[cut], self.scores[cut], {k: v[cut] for k, v in self.stats.items()},
+                        None if self.present is None else self.present[cut])
 
     @staticmethod
     def cat(parts: list["Episodes"]) -> "Episodes":
+        present = None if parts[0].present is None else torch.cat([p.present for p in parts])
         return Episodes([r for p in parts for r in p.rollouts], torch.cat([p.scores for p in parts]),
-                        {k: torch.cat([p.stats[k] for p in parts]) for k in parts[0].stats})
+                        {k: torch.cat([p.stats[k] for p in parts]) for k in parts[0].stats}, present)
+
+    @property
+    def kept_scores(self) -> torch.Tensor:
+        """The scores of the episodes that count (all, unless some were dropped)."""
+        return self.scores if self.present is None else self.scores[self.present]
 
 
 def action_tokens(rollout: Rollout) -> int:

@@ -29,11 +29,11 @@ import time
 import uuid
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any, Callable
 
 from alignflow.stages.common.generation import Rollout, SamplingParams
-from alignflow.stages.common.http import send_json
+from alignflow.stages.common.http import Server, send_json
 
 Generate = Callable[[list[list[int]], SamplingParams], list[Rollout]]
 
@@ -174,8 +174,7 @@ class OpenAIServer:
         self.book = EpisodeBook()
         self.batcher = Batcher(generate, seed, window_s)
         self.counts = {"requests": 0, "rejected": 0}
-        self.httpd = ThreadingHTTPServer((host, port), self._handler())
-        self.httpd.daemon_threads = True
+        self.httpd = Server((host, port), self._handler())
         self.url = f"http://{host}:{self.httpd.server_address[1]}/v1"
         self._thread = threading.Thread(target=self.httpd.serve_forever, name="openai-server", daemon=True)
         self._thread.start()

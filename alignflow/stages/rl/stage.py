@@ -39,6 +39,8 @@ from alignflow.stages.rl.data import PromptRow, load_prompts
 from alignflow.stages.rl.executors import Episodes, Executor, MultiTurn, Scorer, SingleTurn, action_tokens, load_environment
 from alignflow.stages.rl.experience import Experience
 from alignflow.stages.rl.kl import adaptive_kl_coef, kl_per_token
+from alignflow.stages.rl.agents import AgentExecutor, load_agent
+from alignflow.stages.rl.openai_server import OpenAIServer
 from alignflow.stages.rl.remote import RemoteReward
 from alignflow.stages.rl.rewards import FunctionReward, overlong_penalty
 from alignflow.stages.common.vllm_engine import require_vllm
@@ -65,13 +67,18 @@ def main(cfg: PipelineConfig, stage: str, output_uri: str | None = None, inputs:
     # Reward sources load before any worker starts, so a broken file fails fast.
     function = reward_function(rl)
     environment = load_environment(rl.environment.path) if rl.environment else None
+    agent = load_agent(rl.agent.path) if rl.agent else None
     steps = total_steps(len(train), rl, "prompts", ("rollout.prompts_per_step", rl.rollout.prompts_per_step))
     disconnect = connect_ray()
-    roles = None
+    roles = server = None
     try:
         roles = Roles(rl, base, reward_model, tokenizer.pad_token_id, steps, run.out, run.key)
         run.params = dict(zip(("params/trainable", "params/total"), roles.actor.call("parameter_counts")[0]))
-        loop = Loop(rl, train, held, tokenizer, roles, make_executor(rl, tokenizer, roles, function, environment))
+        if agent is not None:  # the agent's endpoint, in front of the rollout engines
+            server = OpenAIServer(tokenizer, roles.generate, model_name=rl.agent.model_name, host=rl.agent.host,
+                                  sampling=SamplingParams(rl.generation.max_new_tokens), seed=rl.batch.seed)
+            print(f"{stage}: agent endpoint {server.url} (model {rl.agent.model_name!r}; API key = episode id)", flush=True)
+        loop = Loop(rl, train, held, tokenizer, roles, make_executor(rl, tokenizer, roles, function, environment, agent, server))
         run.start_with(RLTrainer(roles, run.key), steps, "gen_tokens_per_s", loop.evaluate)
         loop.kl_coef = run.resumed_state.get("kl_coef", rl.kl.coef)
 
@@ -81,6 +88,8 @@ def main(cfg: PipelineConfig, stage: str, output_uri: str | None = None, inputs:
         # -------------------------------------------------------------- publish
         return run.publish(tokenizer, CURVES, stats)
     finally:
+        if server is not None:
+            server.close()
         if roles is not None:
             roles.shutdown()
         disconnect()
@@ -106,8 +115,14 @@ def reward_function(rl: RLConfig) -> FunctionReward | RemoteReward | None:
     return FunctionReward(rl.reward.function) if rl.reward.function else None
 
 
-def make_executor(rl: RLConfig, tokenizer, roles: "Roles", function: FunctionReward | RemoteReward | None, environment) -> Executor:
-    """Multi-turn episodes with the environment, else one response per sample scored by the reward source."""
+def make_executor(rl: RLConfig, tokenizer, roles: "Roles", function: FunctionReward | RemoteReward | None, environment,
+                  agent=None, server: OpenAIServer | None = None) -> Executor:
+    """Episodes of the user's agent, multi-turn episodes with the environment, else one response per sample scored
+    by the reward source."""
+    if agent is not None:
+        a = rl.agent
+        return AgentExecutor(server, agent, a.path, concurrency=a.concurrency, timeout_s=a.timeout_s,
+                             max_dropped_fraction=a.max_dropped_fraction)
     g, r = rl.generation, rl.reward
     penalty = lambda lengths: overlong_penalty(lengths, g.max_new_tokens, r.overlong_buffer, r.overlong_penalty)  # noqa: E731
     if environment is not None:
@@ -260,7 +275,7 @@ class Loop:
         penalty = self.kl_coef * kl if kl is not None and rl.kl.placement == "reward" else None
         adv, returns = advantages(rl.advantage.estimator, scores, exp.mask, n=rl.generation.n_samples_per_prompt,
                                   gamma=rl.advantage.gamma, lam=rl.advantage.lam, kl=penalty, values=values,
-                                  reward_clip=rl.kl.reward_clip)
+                                  reward_clip=rl.kl.reward_clip, present=episodes.present)
         roles.before_training()
         metrics = roles.actor.call("train", exp, old_logp, adv, ref_logp, self.kl_coef, step)[0]
         if roles.critic:
@@ -279,9 +294,9 @@ class Loop:
         return metrics
 
     def rollout_metrics(self, episodes: Episodes, exp: Experience, clock: "Clock") -> dict[str, float]:
-        generated, scores, rollouts = float(exp.mask.sum()), episodes.scores, episodes.rollouts  # mask: policy tokens only
+        generated, scores, rollouts = float(exp.mask.sum()), episodes.kept_scores, episodes.rollouts  # mask: policy tokens only
         return {"reward/mean": float(scores.mean()), "reward/std": float(scores.std()) if len(scores) > 1 else 0.0,
-                **{k: float(v.mean()) for k, v in episodes.stats.items()},  # multi-turn: turns, success
+                **{k: float(v.nanmean()) for k, v in episodes.stats.items()},  # multi-turn: turns, success; agents
                 "response_length": generated / len(rollouts),
                 "finished_fraction": sum(r.finish_reason == "stop" for r in rollouts) / len(rollouts),
                 "gen_tokens_per_s": generated / max(clock.times["generate_and_score"], 1e-9),
@@ -296,7 +311,8 @@ class Loop:
         gen = self.rl.generation
         episodes = self.executor.run(self.held, SamplingParams(gen.max_new_tokens, temperature=0, stop_token_ids=gen.stop_token_ids))
         rollouts = episodes.rollouts
-        return {"eval/reward": float(episodes.scores.mean()), **{f"eval/{k}": float(v.mean()) for k, v in episodes.stats.items()},
+        return {"eval/reward": float(episodes.scores.mean()),  # a dropped episode scores 0: it failed
+                **{f"eval/{k}": float(v.nanmean()) for k, v in episodes.stats.items()},
                 "eval/response_length": sum(action_tokens(r) for r in rollouts) / len(rollouts)}
 
 

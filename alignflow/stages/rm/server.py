@@ -17,10 +17,10 @@ import hmac
 import json
 import os
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any
 
-from alignflow.stages.common.http import send_json
+from alignflow.stages.common.http import Server, send_json
 
 FIELDS = ("prompts", "completions", "prompt_ids", "completion_ids")
 
@@ -100,7 +100,7 @@ class RewardService:
         return Handler
 
 
-def serve(model: str, host: str, port: int, normalize: bool, batch_size: int, auth_env: str | None) -> ThreadingHTTPServer:
+def serve(model: str, host: str, port: int, normalize: bool, batch_size: int, auth_env: str | None) -> Server:
     """A started server (call `serve_forever`); `model` is a local reward-model folder."""
     from alignflow.stages.rm.scoring import RewardScorer
 
@@ -108,4 +108,4 @@ def serve(model: str, host: str, port: int, normalize: bool, batch_size: int, au
     if auth_env and not token:
         raise ValueError(f"--auth-env {auth_env}: the environment variable is not set")
     service = RewardService(RewardScorer(model, normalize=normalize, batch_size=batch_size), model, token)
-    return ThreadingHTTPServer((host, port), service.handler())
+    return Server((host, port), service.handler())
