@@ -119,7 +119,7 @@ def misbehaving(client, row):
         client.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "hi"}])
     if kind != "never calls":
         client.completions.create(model="policy", prompt=row["prompt"], max_tokens=2)
-    return 1.0
+    return 10 ** 400 if kind == "huge" else 1.0
 
 
 def test_agents_that_raise_hang_never_call_or_name_a_foreign_model(engine, tiny_model_path):
@@ -147,9 +147,23 @@ def test_dropped_reasons_are_named(engine, tiny_model_path):
     server = endpoint(engine, load_tokenizer(tiny_model_path), [])
     try:
         for kind, reason in (("hangs", "timed out after 2 s"), ("never calls", "returned without calling the model"),
+                             ("huge", "returned reward 1000"),
                              ("foreign model", "model 'gpt-4o' is not served here: use 'policy'")):
             rows = [PromptRow(text="1+1", ids=[], columns={"kind": kind})]
             with pytest.raises(RewardError, match=reason):
                 AgentExecutor(server, misbehaving, "m", concurrency=1, timeout_s=2, max_dropped_fraction=0).run(rows, SamplingParams(2))
+    finally:
+        server.close()
+
+
+def test_an_engine_failure_fails_the_step_not_the_agent(tiny_model_path):
+    def broken(prompts, params):
+        raise RuntimeError("a rollout engine died")
+
+    server = OpenAIServer(load_tokenizer(tiny_model_path), broken, model_name="policy", sampling=SamplingParams(2))
+    try:
+        with pytest.raises(RuntimeError, match="a rollout engine died"):  # retryable, unlike a RewardError (bad input)
+            AgentExecutor(server, misbehaving, "m", concurrency=2, timeout_s=30, max_dropped_fraction=1.0).run(
+                [PromptRow(text="1+1", ids=[], columns={"kind": "fine"})], SamplingParams(2, n=2))
     finally:
         server.close()

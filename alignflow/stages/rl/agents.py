@@ -72,6 +72,16 @@ def episode_rollout(calls: list[Call]) -> Rollout:
                    positions if segmented else None)
 
 
+def finite(value: Any) -> bool:
+    """A real number that fits a float (a bool is not one)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
 @dataclass
 class Outcome:
     reward: float | None = None
@@ -95,6 +105,9 @@ class AgentExecutor:
         episodes = [self.server.book.open() for _ in jobs]
         outcomes = self._run_all(jobs, episodes)
         calls = [self.server.book.close(e) for e in episodes]
+        error = self.server.batcher.take_error()
+        if error is not None:  # an engine failed (e.g. died): the stage's failure, retried, not the agent's
+            raise error
         for outcome, made in zip(outcomes, calls):
             if outcome.error is None and not made:
                 outcome.error = "the agent returned without calling the model: nothing to train on"
@@ -118,11 +131,15 @@ class AgentExecutor:
                     return
                 with lock:
                     started[k] = time.monotonic()
-                result = self._episode(episodes[k], jobs[k][1])
+                try:
+                    result = self._episode(episodes[k], jobs[k][1])
+                except BaseException as exc:  # nothing the agent does may leave an episode without an outcome
+                    result = Outcome(error=f"raised {type(exc).__name__}: {exc}")
                 with lock:
-                    if outcomes[k] is None:  # not already given up on
-                        outcomes[k] = result
-                        started.pop(k, None)
+                    if outcomes[k] is not None:  # given up on at its timeout: a fresh thread has this slot
+                        return
+                    outcomes[k] = result
+                    started.pop(k, None)
 
         threads = [threading.Thread(target=worker, daemon=True) for _ in range(min(self.concurrency, len(jobs)))]
         for t in threads:
@@ -162,8 +179,8 @@ class AgentExecutor:
         if isinstance(value, dict):
             metrics = {k: v for k, v in value.items() if k != "reward"}
             value = value.get("reward")
-        bad = [k for k, v in metrics.items() if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)]
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or bad:
+        bad = [k for k, v in metrics.items() if not finite(v)]
+        if not finite(value) or bad:
             what = f"metric {bad[0]}={metrics[bad[0]]!r}" if bad else f"reward {value!r}"
             return Outcome(error=f"returned {what}: expected a finite reward, or {{'reward': float, **numeric metrics}}")
         return Outcome(float(value), {k: float(v) for k, v in metrics.items()})

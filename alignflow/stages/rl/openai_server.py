@@ -87,6 +87,7 @@ class Batcher:
         self._cv = threading.Condition()
         self._calls = 0
         self._stopped = False
+        self.error: BaseException | None = None  # the first engine failure: the stage fails with it, not the agent
         self._thread = threading.Thread(target=self._loop, name="openai-batcher", daemon=True)
         self._thread.start()
 
@@ -101,10 +102,18 @@ class Batcher:
         with self._cv:
             self.seed, self._calls = seed, 0
 
+    def take_error(self) -> BaseException | None:
+        with self._cv:
+            error, self.error = self.error, None
+        return error
+
     def stop(self) -> None:
         with self._cv:
             self._stopped = True
+            waiting, self._queue = self._queue, []
             self._cv.notify()
+        for _, _, future in waiting:
+            future.set_exception(RuntimeError("the endpoint is closing"))
 
     def _loop(self) -> None:
         while True:
@@ -116,14 +125,17 @@ class Batcher:
             time.sleep(self.window_s)  # let the other episodes' requests of this turn arrive
             with self._cv:
                 batch, self._queue = self._queue[:self.max_prompts], self._queue[self.max_prompts:]
-                seed, self._calls = self.seed + 1_000_003 * self._calls, self._calls + 1
             groups: dict[SamplingParams, list[tuple[list[int], Future]]] = {}
             for prompt, params, future in batch:
                 groups.setdefault(params, []).append((prompt, future))
             for params, items in groups.items():
+                with self._cv:  # each engine call its own seed stream
+                    seed, self._calls = self.seed + 1_000_003 * self._calls, self._calls + 1
                 try:
                     out = self.generate([p for p, _ in items], replace(params, seed=seed))
-                except BaseException as exc:  # every waiting request learns of it
+                except BaseException as exc:  # every waiting request learns of it, and so does the stage
+                    with self._cv:
+                        self.error = self.error or exc
                     for _, future in items:
                         future.set_exception(exc)
                     continue
@@ -142,15 +154,16 @@ class RequestError(Exception):
 def stop_cut(tokenizer, ids: list[int], stops: list[str]) -> tuple[list[int], str, bool]:
     """(ids up to the token that completes the first stop string, the text before that string, whether one
     was found); without a stop string, (ids, their text, False)."""
+    stops = [s for s in stops if s]
     text = tokenizer.decode(ids, skip_special_tokens=True)
-    hits = [(text.find(s), s) for s in stops if s and s in text]
-    if not hits:
+    if not any(s in text for s in stops):
         return ids, text, False
-    at, stop = min(hits)
-    for k in range(1, len(ids) + 1):  # the first prefix whose text holds the stop string
-        if len(tokenizer.decode(ids[:k], skip_special_tokens=True)) >= at + len(stop):
-            return ids[:k], text[:at], True
-    return ids, text[:at], True
+    for k in range(1, len(ids) + 1):  # the first prefix whose own text holds a stop string: text and ids agree
+        head = tokenizer.decode(ids[:k], skip_special_tokens=True)
+        hits = [head.find(s) for s in stops if s in head]
+        if hits:
+            return ids[:k], head[:min(hits)], True
+    return ids, text[:min(text.find(s) for s in stops if s in text)], True
 
 
 def message_text(content: Any) -> str:
@@ -247,7 +260,7 @@ class OpenAIServer:
             def do_GET(self) -> None:
                 if self.path.rstrip("/") != "/v1/models":
                     return self._error(RequestError(404, f"no GET {self.path}", code="not_found"))
-                self._json(200, {"object": "list", "data": [{"id": server.model_name, "object": "model", "owned_by": "alignflow"}]})
+                self._json(200, {"object": "list", "data": [{"id": server.model_name, "object": "model", "created": 0, "owned_by": "alignflow"}]})
 
             def do_POST(self) -> None:
                 raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))

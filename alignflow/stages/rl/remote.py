@@ -41,7 +41,7 @@ def _jsonable(value: Any) -> Any:
     """numpy scalars and arrays from a Parquet row as JSON values."""
     if hasattr(value, "tolist"):
         return value.tolist()
-    raise TypeError(f"{type(value).__name__} is not JSON serializable")
+    return str(value)  # dates, decimals: as text rather than a crash in the middle of a step
 
 
 class RemoteReward:

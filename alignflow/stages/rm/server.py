@@ -56,6 +56,10 @@ class RewardService:
         self.scorer, self.model, self.token, self.lock = scorer, model, token, threading.Lock()
 
     def score(self, fields: dict[str, list]) -> list[float]:
+        vocab = self.scorer.model.config.vocab_size
+        for ids in fields["prompt_ids"] + fields["completion_ids"]:  # another tokenizer's ids: the caller's mistake
+            if any(not 0 <= t < vocab for t in ids):
+                raise BadRequest(f"token id out of this model's vocabulary (size {vocab}): were the ids made with its tokenizer?")
         with self.lock:
             if fields["prompt_ids"]:
                 scores = self.scorer.score_ids([p + c for p, c in zip(fields["prompt_ids"], fields["completion_ids"])])
