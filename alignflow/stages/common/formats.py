@@ -25,6 +25,7 @@ separator or label dangles.
 from __future__ import annotations
 
 import difflib
+import math
 import re
 import string
 from typing import Any
@@ -32,6 +33,16 @@ from typing import Any
 FORMATS = ("auto", "text", "chat", "hh")
 HH_TURN = re.compile(r"\n\n(Human|Assistant): ?")
 HH_ROLES = {"Human": "user", "Assistant": "assistant"}
+
+
+def finite_number(value: Any) -> bool:
+    """An int or float that is a finite float (a bool is not a number here; neither is 10**400)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
 
 
 class DataError(ValueError):

@@ -10,7 +10,6 @@ rows (a test checks), with the prompt computed once instead of twice.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -18,7 +17,7 @@ import torch
 from alignflow.config.base import PreferenceDataConfig
 from alignflow.stages.common.data import (DataError, FilteredRow, Sample, chat_prompt_text, chat_texts, column, encode, load_rows,
                                           prompt_value, response_sample, text_or_messages)
-from alignflow.stages.common.formats import conversation, shared_prompt
+from alignflow.stages.common.formats import conversation, finite_number, shared_prompt
 from alignflow.stages.common.logprobs import sourced_logprobs
 
 
@@ -169,7 +168,7 @@ def _number(row: dict, where: str, key: str, option: str) -> float:
             value = float(value)
         except ValueError:
             pass
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    if not finite_number(value):
         raise DataError(f"{where}: {key!r} must be a finite number (got {type(value).__name__} {value!r})")
     return float(value)
 

@@ -47,33 +47,23 @@ def whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tens
 def baselined_scores(estimator: Estimator, scores: torch.Tensor, n: int, eps: float = 1e-6,
                      present: torch.Tensor | None = None) -> torch.Tensor:
     """Step 1: scores minus the estimator's baseline. `n` consecutive rows share a prompt. `present` (bool) leaves
-    dropped samples out: a group's baseline is over its present members, and a group with fewer than two gets 0."""
+    dropped samples out: a group's baseline is over its present members (n = their count), and a group with fewer
+    than two gets 0."""
+    keep = torch.ones_like(scores) if present is None else present.to(scores.dtype)
     if not estimator.is_group:
-        return scores if present is None else scores * present
-    if present is not None:
-        return _baselined_present(estimator, scores.view(-1, n), present.view(-1, n).to(scores.dtype), eps).view(-1)
-    groups = scores.view(-1, n)
-    mean = groups.mean(-1, keepdim=True)
-    if estimator == Estimator.GROUP_NORM:  # GRPO, Shao et al. 2024 §4.1.2: (r - mean(r)) / std(r)
-        return ((groups - mean) / (groups.std(-1, keepdim=True) + eps)).view(-1)
-    if estimator == Estimator.RLOO:  # Ahmadian et al. 2024 Eq. 5: r_i - 1/(n-1) Σ_{j≠i} r_j
-        return (groups - (groups.sum(-1, keepdim=True) - groups) / (n - 1)).view(-1)
-    return (groups - mean).view(-1)  # Dr. GRPO (Liu et al. 2025 Eq. 3) and REINFORCE++-baseline: r - mean(r)
-
-
-def _baselined_present(estimator: Estimator, groups: torch.Tensor, present: torch.Tensor, eps: float) -> torch.Tensor:
-    """`baselined_scores` over the present members of each group (the same formulas with n = their count)."""
-    count = present.sum(-1, keepdim=True)
-    total = (groups * present).sum(-1, keepdim=True)
+        return scores * keep
+    groups, keep = scores.view(-1, n), keep.view(-1, n)
+    count = keep.sum(-1, keepdim=True)
+    total = (groups * keep).sum(-1, keepdim=True)
     mean = total / count.clamp(min=1)
-    if estimator == Estimator.GROUP_NORM:
-        std = (((groups - mean) ** 2 * present).sum(-1, keepdim=True) / (count - 1).clamp(min=1)).sqrt()
+    if estimator == Estimator.GROUP_NORM:  # GRPO, Shao et al. 2024 §4.1.2: (r - mean(r)) / std(r), std unbiased
+        std = (((groups - mean) ** 2 * keep).sum(-1, keepdim=True) / (count - 1).clamp(min=1)).sqrt()
         out = (groups - mean) / (std + eps)
-    elif estimator == Estimator.RLOO:
+    elif estimator == Estimator.RLOO:  # Ahmadian et al. 2024 Eq. 5: r_i - 1/(n-1) Σ_{j≠i} r_j
         out = groups - (total - groups) / (count - 1).clamp(min=1)
-    else:
+    else:  # Dr. GRPO (Liu et al. 2025 Eq. 3) and REINFORCE++-baseline: r - mean(r)
         out = groups - mean
-    return out * present * (count >= 2)
+    return (out * keep * (count >= 2)).view(-1)
 
 
 def token_rewards(scores: torch.Tensor, mask: torch.Tensor, kl: torch.Tensor | None = None,

@@ -38,6 +38,7 @@ from typing import Any, Callable
 
 import torch
 
+from alignflow.stages.common.formats import finite_number
 from alignflow.stages.common.generation import Rollout, SamplingParams
 from alignflow.stages.rl.data import PromptRow
 from alignflow.stages.rl.executors import Episodes
@@ -70,16 +71,6 @@ def episode_rollout(calls: list[Call]) -> Rollout:
         segment = segment + new + call.response_ids
     return Rollout(first.prompt_ids, ids, logps, calls[-1].finish_reason, actions if len(calls) > 1 else None,
                    positions if segmented else None)
-
-
-def finite(value: Any) -> bool:
-    """A real number that fits a float (a bool is not one)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return False
-    try:
-        return math.isfinite(value)
-    except OverflowError:
-        return False
 
 
 @dataclass
@@ -179,8 +170,8 @@ class AgentExecutor:
         if isinstance(value, dict):
             metrics = {k: v for k, v in value.items() if k != "reward"}
             value = value.get("reward")
-        bad = [k for k, v in metrics.items() if not finite(v)]
-        if not finite(value) or bad:
+        bad = [k for k, v in metrics.items() if not finite_number(v)]
+        if not finite_number(value) or bad:
             what = f"metric {bad[0]}={metrics[bad[0]]!r}" if bad else f"reward {value!r}"
             return Outcome(error=f"returned {what}: expected a finite reward, or {{'reward': float, **numeric metrics}}")
         return Outcome(float(value), {k: float(v) for k, v in metrics.items()})

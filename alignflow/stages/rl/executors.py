@@ -29,13 +29,13 @@ row and the turn (the stage exits with code 2 and is not retried).
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
 import torch
 
 from alignflow.stages.common.data import chat_prompt_text, encode
+from alignflow.stages.common.formats import finite_number
 from alignflow.stages.common.generation import Rollout, SamplingParams
 from alignflow.stages.rl.data import PromptRow, columns_of
 from alignflow.stages.rl.rewards import FunctionReward, RewardError, load_function
@@ -219,7 +219,7 @@ class MultiTurn:
         if not (isinstance(result, tuple) and len(result) == 3):
             raise RewardError(f"{where} returned {result!r}: expected (observation, reward, done)")
         obs, reward, done = result
-        if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
+        if not finite_number(reward):
             raise RewardError(f"{where} returned reward {reward!r}: rewards must be finite numbers")
         if not isinstance(done, bool):
             raise RewardError(f"{where} returned done={done!r}: expected True or False")

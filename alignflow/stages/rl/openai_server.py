@@ -186,7 +186,6 @@ class OpenAIServer:
         self.tokenizer, self.model_name, self.sampling = tokenizer, model_name, sampling
         self.book = EpisodeBook()
         self.batcher = Batcher(generate, seed, window_s)
-        self.counts = {"requests": 0, "rejected": 0}
         self.httpd = Server((host, port), self._handler())
         self.url = f"http://{host}:{self.httpd.server_address[1]}/v1"
         self._thread = threading.Thread(target=self.httpd.serve_forever, name="openai-server", daemon=True)
@@ -267,7 +266,6 @@ class OpenAIServer:
                 route = self.path.rstrip("/")
                 if route not in ("/v1/chat/completions", "/v1/completions"):
                     return self._error(RequestError(404, f"no POST {self.path}", code="not_found"))
-                server.counts["requests"] += 1
                 try:
                     body = json.loads(raw)
                     if not isinstance(body, dict):
@@ -277,7 +275,6 @@ class OpenAIServer:
                 except json.JSONDecodeError as exc:
                     return self._error(RequestError(400, f"the body is not JSON: {exc}"))
                 except RequestError as exc:
-                    server.counts["rejected"] += 1
                     return self._error(exc)
                 except Exception as exc:  # the engines failed: the client sees a server error, the stage the exception
                     return self._error(RequestError(500, f"{type(exc).__name__}: {exc}", "server_error"))

@@ -13,13 +13,13 @@ A bad reward is never turned into a silent zero.
 from __future__ import annotations
 
 import importlib.util
-import math
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
 from alignflow.stages.common.data import DataError
+from alignflow.stages.common.formats import finite_number
 
 
 class RewardError(DataError):
@@ -50,7 +50,7 @@ def checked_scores(values: list[Any], source: str, prompts: list[str], completio
     if len(values) != len(prompts):
         raise RewardError(f"{source} returned {len(values)} values for {len(prompts)} samples")
     for i, v in enumerate(values):
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        if not finite_number(v):
             raise RewardError(f"{source} returned {v!r} for sample {i} "
                               f"(prompt {prompts[i]!r}, completion {completions[i]!r}): rewards must be finite numbers")
     return torch.tensor(values, dtype=torch.float32)
