@@ -28,7 +28,7 @@ from alignflow.lineage import published_uri
 from alignflow.tasks.stage import RunContext, StageResult, result_from_manifest, run_stage, stage_key, tracking_settings
 
 RAY_ADDRESS_ENV = "ALIGNFLOW_RAY_ADDRESS"
-POLL_S = 0.5
+POLL_S = 0.2
 
 
 def ray_address(config: PipelineConfig) -> str:

@@ -14,7 +14,7 @@ import sys
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 from alignflow.exit_codes import BAD_INPUT
 
@@ -68,27 +68,33 @@ def run_job(
     timeout_s: float,
     on_log: Callable[[str], None],
     on_submit: Callable[[str], None] = lambda job_id: None,
-    poll_s: float = 1.0,
+    poll_s: float = 0.25,
+    log_every_s: float = 1.0,
 ) -> JobOutcome:
     """Submit, stream new log lines to `on_log`, and wait. The job is stopped if this call
-    ends any other way than by the job finishing (timeout, exception, cancellation)."""
+    ends any other way than by the job finishing (timeout, exception, cancellation).
+
+    The status is asked every `poll_s` (a small request: the end of a job is seen within it), the whole
+    log only every `log_every_s` and once at the end (the Jobs API sends all of it each time)."""
     from ray.job_submission import JobStatus
 
     jobs = client(address)
     job_id = f"alignflow-{name}-{uuid.uuid4().hex[:8]}"
     ACTIVE[job_id] = address  # before submitting: a signal during submission still stops it
-    start, finished, tail = time.time(), False, LogTail()
+    start, finished, tail, logged_at = time.time(), False, LogTail(), 0.0
     try:
         jobs.submit_job(entrypoint=entrypoint, submission_id=job_id, runtime_env={"env_vars": env},
                         metadata={"alignflow.stage": name})
         on_submit(job_id)
         while True:
-            status, log = _poll(jobs, job_id)
-            for line in tail.new_lines(log):
-                on_log(line)
+            status = _retried(jobs.get_job_status, job_id)
             if status.is_terminal():
                 finished = True
                 break
+            if time.time() - logged_at >= log_every_s:
+                logged_at = time.time()
+                for line in tail.new_lines(_retried(jobs.get_job_logs, job_id)):
+                    on_log(line)
             if time.time() - start > timeout_s:
                 raise StageJobError(f"stage job {job_id} ran longer than {timeout_s:.0f}s and was stopped", True, job_id)
             time.sleep(poll_s)
@@ -96,6 +102,7 @@ def run_job(
         if not finished:
             stop(jobs, job_id)
         ACTIVE.pop(job_id, None)
+    log = _retried(jobs.get_job_logs, job_id)
     for line in tail.new_lines(log + "\n"):
         on_log(line)
     info = jobs.get_job_info(job_id)
@@ -119,12 +126,12 @@ class LogTail:
         return lines
 
 
-def _poll(jobs, job_id: str, attempts: int = 5):
-    """Status and log, riding out a few transient Jobs API errors (a dashboard restart, a timeout)
-    rather than stopping a healthy job over them."""
+def _retried(call: Callable[[str], Any], job_id: str, attempts: int = 5) -> Any:
+    """A Jobs API call, riding out a few transient errors (a dashboard restart, a timeout) rather than
+    stopping a healthy job over them."""
     for attempt in range(attempts):
         try:
-            return jobs.get_job_status(job_id), jobs.get_job_logs(job_id)
+            return call(job_id)
         except Exception:
             if attempt == attempts - 1:
                 raise

@@ -14,6 +14,18 @@ from alignflow.config.base import ConfigError, LoraConfig, ModelConfig
 from alignflow.infra import storage
 from alignflow.stages.common.builtin_model import cache_root, is_builtin, resolve_builtin
 
+
+def _skip_scikit_learn() -> None:
+    """transformers imports scikit-learn (1.5 s of a job's start here) when it is installed, as MLflow installs it,
+    for the `roc_curve` of assisted decoding, which no stage uses. Told it is absent, transformers skips it; the
+    package itself stays importable (a reward function may use it)."""
+    import transformers.utils
+
+    transformers.utils.is_sklearn_available = lambda: False
+
+
+_skip_scikit_learn()
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 REWARD_MEAN, REWARD_STD = "alignflow_reward_mean", "alignflow_reward_std"  # keys in a published reward model's config.json
 
