@@ -76,3 +76,29 @@ def test_markdown_table_marks_what_does_not_apply():
     assert markdown_table(table, columns).splitlines() == [
         "| model | eval/accuracy | eval/pairwise_accuracy | eval/nll |", "|---|---|---|---|",
         "| sft | 0.5 | – | 1.235 |", "| rm | – | 0.75 | – |"]
+
+
+ONE_CALL_AGENT = '''
+def run(client, row):
+    """One chat call, no max_tokens (the endpoint caps it at generation.max_new_tokens), scored as exact_answer scores."""
+    reply = client.chat.completions.create(model="policy", messages=[{"role": "user", "content": row["prompt"]}])
+    return {"reward": float(reply.choices[0].message.content.strip() == row["answer"]), "tokens": reply.usage.completion_tokens}
+'''
+
+
+@pytest.mark.parametrize("engine", ["hf", "vllm"])
+def test_an_agent_through_the_endpoint_scores_as_the_stages_own_answers(tiny_sft, tmp_path, engine):
+    """The agent's greedy episode is one chat call, judged as the verifier judges: through the endpoint in front of
+    either engine, its mean reward equals the eval stage's own greedy accuracy on the same prompts, exactly."""
+    sft_cfg, sft = tiny_sft
+    agent = tmp_path / "one_call_agent.py"
+    agent.write_text(ONE_CALL_AGENT)
+    cfg = eval_config(sft_cfg.storage.root, "eval.pairs=null", "eval.nll=null", "eval.prompts.max_samples=50",
+                      f"eval.generation.engine={engine}", f"eval.agent.path={agent}:run", "eval.agent.concurrency=8")
+    result = main(cfg, "eval", str(tmp_path / "eval"), {"model:sft": sft["uri"]})
+    row = json.loads((tmp_path / "eval" / "metrics.json").read_text())["models"]["sft"]
+    assert set(row) == {"eval/accuracy", "eval/agent/reward", "eval/agent/tokens", "eval/agent/calls", "eval/agent/dropped_fraction"}
+    assert row["eval/agent/reward"] == row["eval/accuracy"] > 0.2  # the SFT model gets some right, greedy, both ways
+    assert row["eval/agent/calls"] == 1 and row["eval/agent/dropped_fraction"] == 0 and 1 <= row["eval/agent/tokens"] <= 8
+    assert "eval/agent/reward" in (tmp_path / "eval" / "table.md").read_text()
+    assert result["metrics"]["sft/eval/agent/reward"] == row["eval/agent/reward"]

@@ -8,6 +8,7 @@ from pydantic import Field, field_validator, model_validator
 
 from alignflow.config.base import (NOT_RESULT, Frozen, GenerationConfig, PreferenceDataConfig, PromptDataConfig,
                                    file_only, python_object_spec, result_fields, stable_hash)
+from alignflow.stages.rl.config import AgentConfig
 from alignflow.stages.sft.config import DataConfig
 
 
@@ -19,7 +20,9 @@ class EvalConfig(Frozen):
     - `reward_model`: mean score of the greedy answers under that rm stage;
     - `pairs`: pairwise accuracy on held-out preference pairs: a reward model's scores for rm stages,
       a policy's implicit DPO reward log π(y|x) - log π_ref(y|x) against the model it started from;
-    - `nll`: held-out NLL per response token on SFT-format rows.
+    - `nll`: held-out NLL per response token on SFT-format rows;
+    - `agent`: the RL stage's agent function, one greedy episode per prompt against an OpenAI-compatible endpoint
+      in front of the model: the mean reward, and the means of the metrics the agent returns.
     The models' names label the table, so they are part of this stage's cache key."""
 
     kind: Literal["eval"] = "eval"
@@ -32,6 +35,8 @@ class EvalConfig(Frozen):
     reward_model: str | None = Field(None, description="An rm stage that scores the greedy answers.", json_schema_extra=NOT_RESULT)
     pairs: PreferenceDataConfig | None = None
     nll: DataConfig | None = None
+    agent: AgentConfig | None = Field(None, description="An agent function (the rl stage's `agent` contract) run once per "
+                                                        "prompt against each model, greedy.")
     micro_batch_size: int = Field(16, ge=1, description="Rows per forward pass.", json_schema_extra=NOT_RESULT)
     seed: int = 42
 
@@ -44,15 +49,20 @@ class EvalConfig(Frozen):
     def _something_to_measure(self) -> "EvalConfig":
         for option in ("prompts", "pairs", "nll"):
             file_only(getattr(self, option), option)
-        if not (self.verifier or self.reward_model or self.pairs or self.nll):
-            raise ValueError("an eval stage needs at least one metric: `verifier`, `reward_model`, `pairs` or `nll`")
-        if (self.verifier or self.reward_model) and self.prompts is None:
-            raise ValueError("`verifier` and `reward_model` score answers to held-out prompts: set `prompts: {path: ...}`")
+        if not (self.verifier or self.reward_model or self.pairs or self.nll or self.agent):
+            raise ValueError("an eval stage needs at least one metric: `verifier`, `reward_model`, `pairs`, `nll` or `agent`")
+        if self.answers and self.prompts is None:
+            raise ValueError("`verifier`, `reward_model` and `agent` answer held-out prompts: set `prompts: {path: ...}`")
         if self.samples and not self.verifier:
             raise ValueError(f"samples={self.samples} are scored by the verifier: set `verifier: file.py:function`")
         if len(set(self.models)) != len(self.models):
             raise ValueError(f"models lists a stage twice: {list(self.models)}")
         return self
+
+    @property
+    def answers(self) -> bool:
+        """Whether the models generate (answers to `prompts`, or an agent's episodes)."""
+        return bool(self.verifier or self.reward_model or self.agent)
 
     def edges(self) -> dict[str, str]:
         """Input role -> stage: each evaluated model (`model:<name>`) and the scoring reward model."""
@@ -69,4 +79,7 @@ class EvalConfig(Frozen):
         if self.verifier:
             path, _, name = self.verifier.rpartition(":")
             out[f"verifier:{name}"] = path
+        if self.agent:
+            path, _, name = self.agent.path.rpartition(":")
+            out[f"agent:{name}"] = path  # its content, not its path, is in the cache key
         return out

@@ -11,7 +11,11 @@ Per model, in `models` order, each metric whose section is set (`EvalConfig`):
 - `eval/pairwise_accuracy`: on `pairs`, an rm stage's score(chosen) > score(rejected); a policy's implicit
   DPO reward log π(y|x) - log π_ref(y|x) (DPO, Rafailov et al. 2023, Eq. 5, β = 1: β does not change the
   sign) larger for chosen, with π_ref the model the policy started from. A tie is not right;
-- `eval/nll`: NLL per response token on `nll` rows (the SFT stage's held-out loss).
+- `eval/nll`: NLL per response token on `nll` rows (the SFT stage's held-out loss);
+- `eval/agent/reward`: mean reward of the `agent` function's episodes, one per prompt, greedy, against an
+  OpenAI-compatible endpoint in front of the model (`stages/rl/openai_server.py`, as in the rl stage; a dropped
+  episode scores 0), with `eval/agent/<metric>` the means of the metrics it returns, `eval/agent/calls` and
+  `eval/agent/dropped_fraction`.
 Metrics that do not apply to a kind (answers of an rm stage, NLL of a reward model) are left out.
 
 Where this departs from the training stages: every row of each file is held out (`eval_path` and
@@ -44,7 +48,9 @@ from alignflow.stages.common.tracking import StageTracking
 from alignflow.stages.dpo.losses import preference_loss
 from alignflow.stages.eval.config import EvalConfig
 from alignflow.stages.rl.data import load_prompts
+from alignflow.stages.rl.agents import AgentExecutor, load_agent
 from alignflow.stages.rl.executors import Scorer
+from alignflow.stages.rl.openai_server import OpenAIServer
 from alignflow.stages.rl.rewards import FunctionReward
 from alignflow.stages.rm.losses import pairwise_loss
 from alignflow.stages.rm.scoring import RewardScorer
@@ -63,7 +69,7 @@ def main(cfg: PipelineConfig, stage: str, output_uri: str | None = None, inputs:
         return run.cached_result()
     section: EvalConfig = run.section
     inputs, digests, fingerprints, key, out = run.inputs, run.input_digests, run.fingerprints, run.key, run.out
-    if section.generation.engine == "vllm" and (section.verifier or section.reward_model):
+    if section.generation.engine == "vllm" and section.answers:
         from alignflow.stages.common.vllm_engine import require_vllm
 
         require_vllm()  # before any model work
@@ -71,13 +77,14 @@ def main(cfg: PipelineConfig, stage: str, output_uri: str | None = None, inputs:
     micro = section.micro_batch_size
     strategy = Strategy(DeepSpeedConfig(), BatchConfig(global_batch_size=micro, micro_batch_size=micro), None)  # sets torch threads
     judge = RewardScorer(fetch("reward_model"), strategy.device) if section.reward_model else None
+    agent = load_agent(section.agent.path) if section.agent else None  # a broken file fails before any model work
 
     # ------------------------------------------------------------------ evaluate
     table = {}
     for name in section.models:
         seed_everything(section.seed)
         table[name] = evaluate_model(section, cfg.kind(name), cfg.section(name).model, fetch(f"model:{name}"),
-                                     lambda name=name: reference_path(cfg, name, inputs, fetch), strategy, judge, stage)
+                                     lambda name=name: reference_path(cfg, name, inputs, fetch), strategy, judge, stage, agent)
         print(f"{stage}: {name}: {json.dumps(table[name])}", flush=True)
 
     # ------------------------------------------------------------------ publish
@@ -103,15 +110,20 @@ def reference_path(cfg: PipelineConfig, name: str, inputs: dict[str, str], fetch
 
 @torch.no_grad()
 def evaluate_model(section: EvalConfig, kind: StageKind, model_cfg: ModelConfig, path: str, reference: Callable[[], str],
-                   strategy: Strategy, judge: RewardScorer | None, stage: str = "eval") -> dict[str, float]:
-    """`stage`: the eval stage's name, for the options that data errors name (`<stage>.pairs.prompt_key`)."""
+                   strategy: Strategy, judge: RewardScorer | None, stage: str = "eval", agent: Callable | None = None) -> dict[str, float]:
+    """`stage`: the eval stage's name, for the options that data errors name (`<stage>.pairs.prompt_key`);
+    `agent`: the loaded `section.agent` function."""
     tokenizer = load_tokenizer(path)
     if kind == StageKind.RM:
         return reward_model_metrics(section, path, model_cfg, tokenizer, strategy, stage)
     model = strategy.prepare_frozen(load_causal_lm(path, model_cfg))
     out: dict[str, float] = {}
-    if section.verifier or judge is not None:  # answers first: all_rows below leaves the model in train mode
-        out.update(answer_metrics(section, generator(section, model, path, tokenizer), tokenizer, judge, stage))
+    if section.answers:  # answers first: all_rows below leaves the model in train mode
+        generate = generator(section, model, path, tokenizer)
+        if section.verifier or judge is not None:
+            out.update(answer_metrics(section, generate, tokenizer, judge, stage))
+        if agent is not None:
+            out.update(agent_metrics(section, agent, generate, tokenizer, stage))
     if section.nll is not None:
         samples = load_sft_samples(every_row(section.nll), tokenizer, section.seed, f"{stage}.nll")[0]
         out["eval/nll"] = held_out_loss(strategy, SFTData([], samples, {}, False), section.micro_batch_size,
@@ -162,6 +174,22 @@ def answer_metrics(section: EvalConfig, generate: Generate, tokenizer, judge: Re
     return out
 
 
+def agent_metrics(section: EvalConfig, agent: Callable, generate: Generate, tokenizer, stage: str = "eval") -> dict[str, float]:
+    """One greedy episode of the agent per prompt, through the endpoint the rl stage trains agents with."""
+    a, gen = section.agent, section.generation
+    rows = load_prompts(every_row(section.prompts), tokenizer, section.seed, f"{stage}.prompts")[0]
+    greedy = SamplingParams(gen.max_new_tokens, temperature=0, stop_token_ids=gen.stop_token_ids)
+    server = OpenAIServer(tokenizer, generate, model_name=a.model_name, host=a.host, sampling=greedy, seed=section.seed)
+    try:
+        executor = AgentExecutor(server, agent, a.path, concurrency=a.concurrency, timeout_s=a.timeout_s,
+                                 max_dropped_fraction=a.max_dropped_fraction)
+        episodes = executor.run(rows, greedy)
+    finally:
+        server.close()
+    return {"eval/agent/reward": float(episodes.scores.double().mean()),  # a dropped episode scores 0: it failed
+            **{f"eval/{k}": float(v.double().nanmean()) for k, v in episodes.stats.items()}}
+
+
 def implicit_reward_accuracy(strategy: Strategy, pairs: list[Pair], reference: str, model_cfg: ModelConfig,
                              section: EvalConfig, pad_id: int) -> float:
     """Summed response log-probs of chosen and rejected under the policy (the strategy's engine now), then
@@ -199,6 +227,7 @@ def publish_table(cfg: PipelineConfig, stage: str, key: str, out: str, table: di
     if not strategy.is_main:
         return summary
     columns = [m for m in METRICS if any(m in row for row in table.values())]
+    columns += sorted({m for row in table.values() for m in row if m.startswith("eval/agent/")})
     markdown = markdown_table(table, columns)
     print(markdown, flush=True)
     staging = staging_dir(key, out)
