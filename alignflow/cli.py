@@ -101,26 +101,25 @@ def _services_up(cfg) -> dict:
 
 
 @contextlib.contextmanager
-def _services_for(cfg):
-    """Use what is configured or already up (`alignflow services up`); start a private Ray head otherwise."""
-    from alignflow.infra import services
+def _services_for(cfg, on_demand: bool = True):
+    """Use what is configured or already up (`alignflow services up`); else a private Ray head, stopped at the end
+    and started when the first stage job is submitted (a fully cached run starts none), or now unless `on_demand`
+    (flow runs in other processes need its address)."""
+    from alignflow.infra import ray_jobs, services
 
     up = _services_up(cfg)
-    started = None
-    if not cfg.ray.address and "ALIGNFLOW_RAY_ADDRESS" not in os.environ:
-        if "ray" in up:
-            os.environ["ALIGNFLOW_RAY_ADDRESS"] = up["ray"].url
-        else:
-            typer.echo("starting a local Ray head on 127.0.0.1 ...", err=True)
-            started = services.start_ray_head(cfg.ray.num_cpus)
-            os.environ["ALIGNFLOW_RAY_ADDRESS"] = started.url
-    try:
+    if cfg.ray.address or "ALIGNFLOW_RAY_ADDRESS" in os.environ:
         yield
-    finally:
-        if started is not None:
-            os.environ.pop("ALIGNFLOW_RAY_ADDRESS", None)
-            started.stop()
-            services.remove_home(started)
+    elif "ray" in up:
+        os.environ["ALIGNFLOW_RAY_ADDRESS"] = up["ray"].url
+        yield
+    else:
+        with services.ray_head_on_demand(cfg.ray.num_cpus) as head:
+            os.environ["ALIGNFLOW_RAY_ADDRESS"] = ray_jobs.ON_DEMAND if on_demand else head.url()
+            try:
+                yield
+            finally:
+                os.environ.pop("ALIGNFLOW_RAY_ADDRESS", None)
 
 
 @app.command()
@@ -285,7 +284,7 @@ def serve(
     paths = config or sorted(Path("configs").glob("tiny*.yaml"))
     cfgs = [_load(p, overrides) for p in paths]  # every config must be valid before anything is served
     _prefect_defaults()
-    with _services_for(cfgs[0]):
+    with _services_for(cfgs[0], on_demand=False):  # each deployment's flow run is a process of its own
         from prefect import serve as prefect_serve
 
         from alignflow.flows.alignment import alignment

@@ -14,7 +14,9 @@ a temporary folder), reading the run summary each time:
 - overhead = task seconds - stage compute: process start and imports in the job, Ray
   job scheduling, publishing (the HF save, the manifest), and the orchestration itself.
 The second run is fully cached: no Ray job, so its time is the flow's own cost plus the
-command's start-up (imports, Prefect's temporary server).
+command's start-up (imports, Prefect's temporary server). The third is the same fully cached run
+as a user types it, with no Ray address given: `alignflow run` would start a private head at its
+first job, and with no job to run it starts none (checked in its log).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 
-def run_pipeline(env: dict[str, str], root: str, steps: int, out: Path) -> tuple[dict, float]:
+def run_pipeline(env: dict[str, str], root: str, steps: int, out: Path) -> tuple[dict, float, str]:
     cmd = [sys.executable, "-m", "alignflow.cli", "run", "configs/tiny.yaml", "--set", f"storage.root={root}",
            "--set", f"sft.batch.max_steps={steps}", "--summary-json", str(out)]
     start = time.time()
@@ -40,7 +42,7 @@ def run_pipeline(env: dict[str, str], root: str, steps: int, out: Path) -> tuple
     wall = time.time() - start
     if proc.returncode:
         raise SystemExit(f"alignflow run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    return json.loads(out.read_text()), wall
+    return json.loads(out.read_text()), wall, proc.stderr
 
 
 def main() -> None:
@@ -58,27 +60,37 @@ def main() -> None:
     env = {**os.environ, "ALIGNFLOW_RAY_ADDRESS": head.url, "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
            "PREFECT_HOME": str(work / "prefect")}
     try:
-        first, first_wall = run_pipeline(env, str(work / "out"), args.steps, work / "first.json")
-        second, second_wall = run_pipeline(env, str(work / "out"), args.steps, work / "second.json")
+        first, first_wall, _ = run_pipeline(env, str(work / "out"), args.steps, work / "first.json")
+        second, second_wall, _ = run_pipeline(env, str(work / "out"), args.steps, work / "second.json")
     finally:
         head.stop()
         remove_home(head)
+    embedded = {k: v for k, v in env.items() if k != "ALIGNFLOW_RAY_ADDRESS"}
+    embedded["ALIGNFLOW_SERVICES_HOME"] = str(work / "no-services")  # not the checkout's `services up`, if any
+    third, third_wall, third_log = run_pipeline(embedded, str(work / "out"), args.steps, work / "third.json")
+    assert all(s["cached"] for s in third["stages"]), third["stages"]
+    head_started = "starting a local Ray head" in third_log
 
     rows = []
     for stage in first["stages"]:
         compute = stage["metrics"]["time/setup_s"] + stage["metrics"]["time/train_s"]
         rows.append({"stage": stage["stage"], "task_s": stage["seconds"], "job_s": stage["job_seconds"],
-                     "compute_s": compute, "overhead_s": stage["seconds"] - compute})
+                     "compute_s": compute, "overhead_s": stage["seconds"] - compute,
+                     "peak_rss_mib": stage["metrics"].get("memory/peak_rss_mib")})
     cached = [{"stage": s["stage"], "cached": s["cached"], "task_s": s["seconds"]} for s in second["stages"]]
     result = {"ray_head_start_s": ray_start, "first": {"command_s": first_wall, "flow_s": first["seconds"], "stages": rows},
-              "cached": {"command_s": second_wall, "flow_s": second["seconds"], "stages": cached}}
+              "cached": {"command_s": second_wall, "flow_s": second["seconds"], "stages": cached},
+              "cached_embedded": {"command_s": third_wall, "flow_s": third["seconds"], "ray_head_started": head_started}}
     print(f"Ray head start-up: {ray_start:.1f}s")
-    print("| stage | task (s) | Ray job (s) | stage compute (s) | overhead (s) |\n|---|---:|---:|---:|---:|")
+    print("| stage | task (s) | Ray job (s) | stage compute (s) | overhead (s) | job peak RSS (MiB) |\n|---|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['stage']} | {r['task_s']:.1f} | {r['job_s']:.1f} | {r['compute_s']:.1f} | {r['overhead_s']:.1f} |")
+        print(f"| {r['stage']} | {r['task_s']:.1f} | {r['job_s']:.1f} | {r['compute_s']:.1f} | {r['overhead_s']:.1f} "
+              f"| {r['peak_rss_mib'] or float('nan'):.0f} |")
     print(f"first run: command {first_wall:.1f}s, flow {first['seconds']:.1f}s")
     print(f"cached re-run: command {second_wall:.1f}s, flow {second['seconds']:.1f}s, "
           f"stages cached: {[s['cached'] for s in cached]}")
+    print(f"cached re-run, no Ray address given: command {third_wall:.1f}s, flow {third['seconds']:.1f}s, "
+          f"Ray head started: {head_started}")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
 

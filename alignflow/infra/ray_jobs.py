@@ -41,6 +41,10 @@ class JobOutcome:
     ended_at: float | None = None
 
 
+# The address of a private head that `alignflow run` starts at its first job (infra/services.py OnDemandHead).
+ON_DEMAND = "on-demand://127.0.0.1"
+
+
 def is_local_address(address: str) -> bool:
     """A Jobs API on this machine (its jobs run here, with this machine's files)."""
     from urllib.parse import urlparse

@@ -8,6 +8,7 @@ machine. Every port is chosen free on 127.0.0.1 and every server binds there.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -15,15 +16,17 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 from alignflow.infra.ports import free_port, free_ports
+from alignflow.infra.ray_jobs import ON_DEMAND
 from alignflow.infra.secrets import without_secrets
 
 BIN = Path(sys.executable).parent  # the same venv's ray / prefect / mlflow
@@ -191,6 +194,55 @@ def start_ray_head(num_cpus: int | None = None, base: str | None = None, timeout
     # (`alignflow services up`) holds none, and none can leak into its logs.
     return _launch("ray", cmd, home, env, f"http://127.0.0.1:{dashboard}", ["/api/version", "/api/jobs/"], timeout,
                    credentials=False)
+
+
+class OnDemandHead:
+    """A private Ray head that `alignflow run` starts when its first stage job is submitted, not before: a run
+    whose every stage is a cache hit starts no Ray. Thread-safe (branches submit at once); `stop` ends it if
+    it was started."""
+
+    def __init__(self, num_cpus: int | None = None) -> None:
+        self.num_cpus, self.head = num_cpus, None
+        self._lock = threading.Lock()
+
+    def url(self) -> str:
+        with self._lock:
+            if self.head is None:
+                print("starting a local Ray head on 127.0.0.1 ...", file=sys.stderr, flush=True)
+                self.head = start_ray_head(self.num_cpus)
+            return self.head.url
+
+    def stop(self) -> None:
+        with self._lock:
+            if self.head is not None:
+                self.head.stop()
+                remove_home(self.head)
+                self.head = None
+
+
+_on_demand: OnDemandHead | None = None
+
+
+@contextlib.contextmanager
+def ray_head_on_demand(num_cpus: int | None = None) -> Iterator[OnDemandHead]:
+    """Within it, the address `ray_jobs.ON_DEMAND` means this head, started by the first `ray_address` call (or
+    `.url()`) in this process, stopped at the end."""
+    global _on_demand
+    _on_demand = OnDemandHead(num_cpus)
+    try:
+        yield _on_demand
+    finally:
+        _on_demand.stop()
+        _on_demand = None
+
+
+def ray_address(address: str) -> str:
+    """The Jobs API to submit to: `address`, or the on-demand head (started now if it is not yet)."""
+    if address != ON_DEMAND:
+        return address
+    if _on_demand is None:
+        raise ServiceError(f"{ON_DEMAND} is only an address inside `alignflow run` (services.ray_head_on_demand)")
+    return _on_demand.url()
 
 
 JOB_EXECUTION_ENV = "MLFLOW_SERVER_ENABLE_JOB_EXECUTION"

@@ -21,7 +21,7 @@ from prefect import get_run_logger, task
 from pydantic import BaseModel
 
 from alignflow.config import PipelineConfig, dump_config
-from alignflow.infra import lease, manifest, ray_jobs, secrets, storage
+from alignflow.infra import lease, manifest, ray_jobs, secrets, services, storage
 from alignflow.infra.tracking import RUN_ID_ENV, Tracker, TrackingSettings
 from alignflow.lineage import stage_cache_key, stage_output_uri
 
@@ -184,11 +184,12 @@ def _run_job(config: PipelineConfig, stage: str, key: str, uri: str, upstream: d
         env["ALIGNFLOW_NUM_THREADS"] = str(ctx.threads)
     entry = ray_jobs.stage_entrypoint(stage=stage, config_uri=config_uri, output_uri=uri, cache_key=key,
                                       inputs={role: r.uri for role, r in upstream.items()})
-    log.info("%s: submitting Ray job to %s: %s", stage, ctx.ray_address, entry)
-    with secrets.job_env(env, local=ray_jobs.is_local_address(ctx.ray_address)) as job_env, held.renewing():
+    address = services.ray_address(ctx.ray_address)  # a private head of `alignflow run` starts with its first job
+    log.info("%s: submitting Ray job to %s: %s", stage, address, entry)
+    with secrets.job_env(env, local=ray_jobs.is_local_address(address)) as job_env, held.renewing():
         try:
             outcome = ray_jobs.run_job(
-                ctx.ray_address, entry, job_env, stage, config.ray.job_timeout_s, on_log=lambda line: log.info("%s: %s", stage, line),
+                address, entry, job_env, stage, config.ray.job_timeout_s, on_log=lambda line: log.info("%s: %s", stage, line),
                 on_submit=lambda job_id: tracker.set_tag(run_id, "ray.job_id", job_id),
             )
         except ray_jobs.StageJobError as exc:

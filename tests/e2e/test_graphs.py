@@ -10,6 +10,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from alignflow.infra import storage
 
 from .conftest import ROOT, alignflow
@@ -69,9 +71,10 @@ def test_tulu3_graph_runs_evaluates_and_gates(services, tmp_path):
 
 
 def test_compare_graph_runs_branches_at_once_and_a_failed_branch_fails_only_itself(services, tmp_path):
-    """The first run has no session services: `alignflow run` starts a private Ray head and Prefect's temporary
-    server; tracking is the sqlite store beside local storage. The second takes the session's Ray head and Prefect
-    server (the same storage and tracking: what it finds published is the first run's)."""
+    """The first run has no session services: `alignflow run` starts a private Ray head (at its first job) and
+    Prefect's temporary server; tracking is the sqlite store beside local storage. The second takes the session's
+    Ray head and Prefect server (the same storage and tracking: what it finds published is the first run's). A last,
+    fully cached run without them starts no Ray head."""
     root = tmp_path / "out"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_API_URL", "MLFLOW_TRACKING_URI", "ALIGNFLOW_RAY"))}
     env["ALIGNFLOW_HOME"] = str(tmp_path / "home")
@@ -96,6 +99,7 @@ def test_compare_graph_runs_branches_at_once_and_a_failed_branch_fails_only_itse
     reg = summary["registered_model"]  # sqlite tracking x local storage
     assert reg["promoted"] and reg["source"] == storage.join(stages["dpo"]["uri"], "model")
     assert summary["mlflow"]["tracking_uri"].startswith("sqlite:")
+    assert proc.stderr.count("starting a local Ray head") == 1  # at the first job; the branches share it
 
     # A broken branch beside a running one: the sibling finishes and publishes, the flow fails naming the broken one.
     bad = tmp_path / "bad.jsonl"
@@ -113,6 +117,13 @@ def test_compare_graph_runs_branches_at_once_and_a_failed_branch_fails_only_itse
     new_kto = set(storage.list_dirs(str(root / "kto"))) - kto_before
     published = [k for k in new_kto if storage.exists(str(root / "kto" / k / "MANIFEST.json"))]
     assert len(published) == 1  # the kto sibling (5 steps) published; the broken stage did not
+
+    # Without the session's services again, every stage it needs published: cache hits only, and no Ray head is
+    # started for them. (Last: Prefect keeps the results of cache hits, and the run above is checked for its own.)
+    again = run("--until", "ipo", "--summary-json", str(tmp_path / "again.json"))
+    assert again.returncode == 0 and "starting a local Ray head" not in again.stderr, again.stdout[-4000:] + again.stderr[-4000:]
+    assert [(s["stage"], s["cached"]) for s in json.loads((tmp_path / "again.json").read_text())["stages"]] == [
+        ("sft", True), ("ipo", True)]
 
 
 
@@ -162,9 +173,16 @@ def test_agent_graph_trains_through_its_endpoint(services, tmp_path):
     proc = alignflow(services, "run", "configs/tiny-agent.yaml", "--set", f"storage.root={ROOT_S3}", "--set", "name=e2e-agent",
                      *FAST_SFT, "--set", "rl.batch.max_steps=2", "--set", "rl.logging.eval_every=2", "--summary-json", str(out))
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    rl = {s["stage"]: s for s in json.loads(out.read_text())["stages"]}["rl"]
-    m = rl["metrics"]
+    stages = {s["stage"]: s for s in json.loads(out.read_text())["stages"]}
+    rl, m = stages["rl"], stages["rl"]["metrics"]
     assert m["train/agent/calls"] > 1 and m["train/logprob_mismatch"] < 1e-4 and m["train/agent/dropped_fraction"] == 0
     assert 0 <= m["eval/agent/tool_call"] <= 1 and 0 <= m["eval/reward"] <= 1
     logged = MlflowClient(services["mlflow"]).get_run(rl["mlflow_run_id"]).data.metrics
     assert "train/agent/calls" in logged and "eval/agent/retried" in logged
+    # The eval stage runs the same agent against the models before and after: it scores them as the rl stage's own
+    # held-out evaluation did at step 0 (the SFT model) and at its last step (the same greedy episodes, HF both ways;
+    # one episode of slack for batched greedy decoding).
+    table = stages["eval"]["metrics"]
+    assert table["sft/eval/agent/reward"] == pytest.approx(m["eval/reward_initial"], abs=0.006)
+    assert table["rl/eval/agent/reward"] == pytest.approx(m["eval/reward"], abs=0.006)
+    assert table["rl/eval/agent/dropped_fraction"] == 0 and "rl/eval/agent/tool_call" in table

@@ -90,6 +90,8 @@ def main(cfg: PipelineConfig, stage: str, output_uri: str | None = None, inputs:
     finally:
         if server is not None:
             server.close()
+        if isinstance(function, RemoteReward):
+            function.close()
         if roles is not None:
             roles.shutdown()
         disconnect()
