@@ -8,7 +8,8 @@ Options: [--model builtin:tiny|DIR] [--new-tokens 16] [--clients 1,16,64] [--rou
 Shape: `clients` episodes at once, each making one chat call with the same one-turn prompt (a data/rl row through
 the chat template); the engine generates exactly `--new-tokens` tokens per call (EOS off: `HFGenerator(eos=-1)`).
 - direct: `generator.generate([prompt ids] * clients, params)`: what the RL stage's own executors do per turn;
-- endpoint: `clients` threads, each `client.chat.completions.create(...)` with its own episode's key; the server renders
+- endpoint: `clients` threads, each `client.chat.completions.create(...)` with its own episode's key (each episode its own
+  `openai.OpenAI` client on one shared connection pool, as the rl stage hands them to agents); the server renders
   the messages, tokenizes, batches the concurrent requests into generate calls (waiting `--window-ms` after the first),
   decodes, records the episode's call, and replies.
 Each figure is the median of `--rounds` timed rounds after one warm-up round. "added per round" = endpoint - direct, the
@@ -23,6 +24,7 @@ import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import openai
 import torch
 
@@ -66,14 +68,15 @@ def main() -> None:
           f"batching window {args.window_ms:g} ms, median of {rounds} rounds\n")
     print("| concurrent episodes | direct generate (s) | through the endpoint (s) | added per round (ms) | requests/s |")
     print("|---:|---:|---:|---:|---:|")
+    http = openai.DefaultHttpxClient(limits=httpx.Limits(max_connections=256, max_keepalive_connections=256))  # as the stage's
     try:
         for clients in (int(c) for c in args.clients.split(",")):
             direct = timed(lambda: engine.generate([prompt_ids] * clients, params), rounds)
 
             def one(_):
                 episode = server.book.open()
-                with openai.OpenAI(base_url=server.url, api_key=episode, max_retries=0) as client:
-                    reply = client.chat.completions.create(model="policy", messages=[{"role": "user", "content": PROMPT}])
+                client = openai.OpenAI(base_url=server.url, api_key=episode, max_retries=0, http_client=http)
+                reply = client.chat.completions.create(model="policy", messages=[{"role": "user", "content": PROMPT}])
                 calls = server.book.close(episode)
                 assert len(calls) == 1 and len(calls[0].response_ids) == args.new_tokens, reply
 
@@ -82,6 +85,7 @@ def main() -> None:
             pool.shutdown()
             print(f"| {clients} | {direct:.3f} | {through:.3f} | {1000 * (through - direct):.0f} | {clients / through:.1f} |", flush=True)
     finally:
+        http.close()
         server.close()
 
 

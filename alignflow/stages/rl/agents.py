@@ -88,13 +88,14 @@ class AgentExecutor:
         self.server, self.fn, self.spec = server, fn, spec
         self.concurrency, self.timeout_s, self.max_dropped_fraction = concurrency, timeout_s, max_dropped_fraction
         self.is_async = inspect.iscoroutinefunction(fn)
+        self._http = None  # one connection pool for the sync clients of a batch (a client of its own costs ~30 ms here)
 
     def run(self, rows: list[PromptRow], params: SamplingParams) -> Episodes:
         self.server.sampling = replace(params, n=1)
         self.server.batcher.reseed(params.seed)
         jobs = [(i, row) for i, row in enumerate(rows) for _ in range(params.n)]
         episodes = [self.server.book.open() for _ in jobs]
-        outcomes = self._run_all(jobs, episodes)
+        outcomes = self._run_all_with_pool(jobs, episodes)
         calls = [self.server.book.close(e) for e in episodes]
         error = self.server.batcher.take_error()
         if error is not None:  # an engine failed (e.g. died): the stage's failure, retried, not the agent's
@@ -104,6 +105,14 @@ class AgentExecutor:
                 outcome.error = "the agent returned without calling the model: nothing to train on"
         self._check(jobs, outcomes)
         return self._episodes(outcomes, calls)
+
+    def _run_all_with_pool(self, jobs: list[tuple[int, PromptRow]], episodes: list[str]) -> list[Outcome]:
+        import httpx
+        import openai
+
+        limits = httpx.Limits(max_connections=self.concurrency, max_keepalive_connections=self.concurrency)
+        with openai.DefaultHttpxClient(limits=limits, timeout=self.timeout_s) as self._http:
+            return self._run_all(jobs, episodes)
 
     def _run_all(self, jobs: list[tuple[int, PromptRow]], episodes: list[str]) -> list[Outcome]:
         """Every episode on a daemon thread, `concurrency` at a time; a hung one is abandoned at its timeout."""
@@ -158,9 +167,10 @@ class AgentExecutor:
                                                   timeout=self.timeout_s) as client:
                         return await self.fn(client, data)
                 value = asyncio.run(go())
-            else:
-                with openai.OpenAI(base_url=self.server.url, api_key=episode, max_retries=0, timeout=self.timeout_s) as client:
-                    value = self.fn(client, data)
+            else:  # not closed after the episode: closing it would close the shared pool
+                client = openai.OpenAI(base_url=self.server.url, api_key=episode, max_retries=0, timeout=self.timeout_s,
+                                       http_client=self._http)
+                value = self.fn(client, data)
         except Exception as exc:
             return Outcome(error=f"raised {type(exc).__name__}: {exc}")
         return self._parse(value)

@@ -33,7 +33,7 @@ from http.server import BaseHTTPRequestHandler
 from typing import Any, Callable
 
 from alignflow.stages.common.generation import Rollout, SamplingParams
-from alignflow.stages.common.http import Server, send_json
+from alignflow.stages.common.http import Handler as JSONHandler, Server, send_json
 
 Generate = Callable[[list[list[int]], SamplingParams], list[Rollout]]
 
@@ -253,9 +253,7 @@ class OpenAIServer:
     def _handler(self) -> type[BaseHTTPRequestHandler]:
         server = self
 
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
+        class Handler(JSONHandler):
             def do_GET(self) -> None:
                 if self.path.rstrip("/") != "/v1/models":
                     return self._error(RequestError(404, f"no GET {self.path}", code="not_found"))

@@ -20,7 +20,7 @@ import threading
 from http.server import BaseHTTPRequestHandler
 from typing import Any
 
-from alignflow.stages.common.http import Server, send_json
+from alignflow.stages.common.http import Handler as JSONHandler, Server, send_json
 
 FIELDS = ("prompts", "completions", "prompt_ids", "completion_ids")
 
@@ -73,9 +73,7 @@ class RewardService:
     def handler(self) -> type[BaseHTTPRequestHandler]:
         service = self
 
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"  # keep-alive: a client reuses its connections
-
+        class Handler(JSONHandler):
             def do_GET(self) -> None:
                 if self.path != "/health":
                     return self._reply(404, {"error": f"no {self.path}: POST /score, GET /health"})
