@@ -47,7 +47,7 @@ from alignflow.stages.common.strategy import Strategy
 from alignflow.stages.common.tracking import StageTracking
 from alignflow.stages.dpo.losses import preference_loss
 from alignflow.stages.eval.config import EvalConfig
-from alignflow.stages.rl.data import load_prompts
+from alignflow.stages.rl.data import PromptRow, load_prompts
 from alignflow.stages.rl.agents import AgentExecutor, load_agent
 from alignflow.stages.rl.executors import Scorer
 from alignflow.stages.rl.openai_server import OpenAIServer
@@ -120,10 +120,11 @@ def evaluate_model(section: EvalConfig, kind: StageKind, model_cfg: ModelConfig,
     out: dict[str, float] = {}
     if section.answers:  # answers first: all_rows below leaves the model in train mode
         generate = generator(section, model, path, tokenizer)
+        rows = load_prompts(every_row(section.prompts), tokenizer, section.seed, f"{stage}.prompts")[0]
         if section.verifier or judge is not None:
-            out.update(answer_metrics(section, generate, tokenizer, judge, stage))
+            out.update(answer_metrics(section, rows, generate, tokenizer, judge))
         if agent is not None:
-            out.update(agent_metrics(section, agent, generate, tokenizer, stage))
+            out.update(agent_metrics(section, agent, rows, generate, tokenizer))
     if section.nll is not None:
         samples = load_sft_samples(every_row(section.nll), tokenizer, section.seed, f"{stage}.nll")[0]
         out["eval/nll"] = held_out_loss(strategy, SFTData([], samples, {}, False), section.micro_batch_size,
@@ -153,8 +154,8 @@ def generator(section: EvalConfig, model: torch.nn.Module, path: str, tokenizer)
     return generate
 
 
-def answer_metrics(section: EvalConfig, generate: Generate, tokenizer, judge: RewardScorer | None, stage: str = "eval") -> dict[str, float]:
-    rows = load_prompts(every_row(section.prompts), tokenizer, section.seed, f"{stage}.prompts")[0]
+def answer_metrics(section: EvalConfig, rows: list[PromptRow], generate: Generate, tokenizer,
+                   judge: RewardScorer | None) -> dict[str, float]:
     ids, gen = [r.ids for r in rows], section.generation
     greedy = generate(ids, SamplingParams(gen.max_new_tokens, temperature=0, stop_token_ids=gen.stop_token_ids))
     out: dict[str, float] = {}
@@ -174,10 +175,9 @@ def answer_metrics(section: EvalConfig, generate: Generate, tokenizer, judge: Re
     return out
 
 
-def agent_metrics(section: EvalConfig, agent: Callable, generate: Generate, tokenizer, stage: str = "eval") -> dict[str, float]:
+def agent_metrics(section: EvalConfig, agent: Callable, rows: list[PromptRow], generate: Generate, tokenizer) -> dict[str, float]:
     """One greedy episode of the agent per prompt, through the endpoint the rl stage trains agents with."""
     a, gen = section.agent, section.generation
-    rows = load_prompts(every_row(section.prompts), tokenizer, section.seed, f"{stage}.prompts")[0]
     greedy = SamplingParams(gen.max_new_tokens, temperature=0, stop_token_ids=gen.stop_token_ids)
     server = OpenAIServer(tokenizer, generate, model_name=a.model_name, host=a.host, sampling=greedy, seed=section.seed)
     try:

@@ -95,7 +95,8 @@ class AgentExecutor:
         self.server.batcher.reseed(params.seed)
         jobs = [(i, row) for i, row in enumerate(rows) for _ in range(params.n)]
         episodes = [self.server.book.open() for _ in jobs]
-        outcomes = self._run_all_with_pool(jobs, episodes)
+        with self._pool() as self._http:
+            outcomes = self._run_all(jobs, episodes)
         calls = [self.server.book.close(e) for e in episodes]
         error = self.server.batcher.take_error()
         if error is not None:  # an engine failed (e.g. died): the stage's failure, retried, not the agent's
@@ -106,13 +107,13 @@ class AgentExecutor:
         self._check(jobs, outcomes)
         return self._episodes(outcomes, calls)
 
-    def _run_all_with_pool(self, jobs: list[tuple[int, PromptRow]], episodes: list[str]) -> list[Outcome]:
+    def _pool(self):
+        """The connection pool the sync clients of one batch share."""
         import httpx
         import openai
 
         limits = httpx.Limits(max_connections=self.concurrency, max_keepalive_connections=self.concurrency)
-        with openai.DefaultHttpxClient(limits=limits, timeout=self.timeout_s) as self._http:
-            return self._run_all(jobs, episodes)
+        return openai.DefaultHttpxClient(limits=limits, timeout=self.timeout_s)
 
     def _run_all(self, jobs: list[tuple[int, PromptRow]], episodes: list[str]) -> list[Outcome]:
         """Every episode on a daemon thread, `concurrency` at a time; a hung one is abandoned at its timeout."""
