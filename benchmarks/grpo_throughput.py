@@ -163,6 +163,12 @@ PHASES = ("gen_s", "logp_s", "train_s", "sync_s")
 PHASE_NAMES = {"gen_s": "generation + scoring", "logp_s": "log-probs", "train_s": "training", "sync_s": "weight sync"}
 
 
+# alignflow as shipped, and the layout before issue 15's hybrid actor and skipped old-log-prob pass (a separate
+# rollout worker with a weight push every step, and the no-grad pass over the batch), measured in the same run.
+ALIGNFLOW_VARIANTS = {"alignflow": [], "alignflow-separate": ["rl.workers.hybrid=false", "rl.policy.old_logprobs=recompute"]}
+FRAMEWORKS = [*ALIGNFLOW_VARIANTS, "trl"]
+
+
 def own_cpu_seconds() -> float:
     import resource
 
@@ -327,6 +333,7 @@ def worker_alignflow(args: argparse.Namespace) -> dict[str, Any]:
         f"rl.logging.log_every={NEVER}",
         "rl.logging.progress=false",
         f"rl.checkpoint.every_steps={NEVER}",
+        *ALIGNFLOW_VARIANTS[args.worker],
     ]
     cfg = load_config(args.config, overrides)
 
@@ -403,7 +410,7 @@ def worker_trl(args: argparse.Namespace) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from alignflow.config import PromptDataConfig
+    from alignflow.config.base import PromptDataConfig
     from alignflow.stages.common.data import global_batch
     from alignflow.stages.common.models import load_tokenizer, resolve_model_path
     from alignflow.stages.rl.data import load_prompts
@@ -700,7 +707,7 @@ CHECK_KEYS = ("same_prompt_ids_as_alignflow", "prompts_checked", "reward_adapter
 def aggregate(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per framework: the median over repeats of each figure."""
     rows = []
-    for framework in ("alignflow", "trl"):
+    for framework in FRAMEWORKS:
         runs = [r for r in records if r["framework"] == framework]
         if not runs:
             continue
@@ -743,7 +750,7 @@ def markdown(rows: list[dict[str, Any]], args: argparse.Namespace, meta: dict[st
             lines.append(f"| {r['framework']} | failed: {r.get('error', '')[:200].replace('|', '/')} |" + " |" * 14 + f" `{r['command']}` |")
             continue
         share = lambda p: f"{r[p]:.3f} ({r[p] / r['step_time_s']:.0%})"  # noqa: E731
-        sync = share("sync_s") if r["framework"] == "alignflow" else "none (0)"
+        sync = share("sync_s") if r["framework"].startswith("alignflow") else "none (0)"
         lines.append(
             f"| {r['framework']} | {r['step_time_s']:.3f} | {r['completions_per_s']:,.1f} | {r['gen_tokens_per_s']:,.0f} | "
             f"{fmt(r['speedup_vs_trl'], '.2f', 'x')} | {share('gen_s')} | {share('logp_s')} | {share('train_s')} | {sync} | "
@@ -857,7 +864,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="builtin:tiny (default), builtin:small, or a local HF folder (e.g. a published SFT model)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write all figures and per-step records here")
     p.add_argument("--repeats", type=int, default=1, help="runs per framework, round-robin; the table shows medians")
-    p.add_argument("--frameworks", default="alignflow,trl", help="comma list of alignflow,trl")
+    p.add_argument("--frameworks", default="alignflow,trl", help=f"comma list of {', '.join(FRAMEWORKS)}")
     p.add_argument("--wait-idle", type=float, default=0, metavar="SECONDS",
                    help="before each run, wait up to this long for other processes to leave the CPU idle (default 0: do not wait)")
     p.add_argument("--keep-workdir", action="store_true", help="keep the worker folders (logs, published models) instead of deleting them")
@@ -865,21 +872,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data", default=str(DEFAULT_DATA), help=argparse.SUPPRESS)
     p.add_argument("--config", default=str(DEFAULT_CONFIG), help=argparse.SUPPRESS)
     # worker mode (used by the parent)
-    p.add_argument("--worker", choices=["alignflow", "trl"], help=argparse.SUPPRESS)
+    p.add_argument("--worker", choices=FRAMEWORKS, help=argparse.SUPPRESS)
     p.add_argument("--tmp", help=argparse.SUPPRESS)
     p.add_argument("--worker-out", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.steps < 1 or args.warmup < 0 or args.repeats < 1:
         p.error("--steps must be >= 1, --warmup >= 0, --repeats >= 1")
-    unknown = [f for f in args.frameworks.split(",") if f.strip() and f.strip() not in ("alignflow", "trl")]
+    unknown = [f for f in args.frameworks.split(",") if f.strip() and f.strip() not in FRAMEWORKS]
     if unknown:
-        p.error(f"--frameworks: {', '.join(unknown)} not among alignflow, trl")
+        p.error(f"--frameworks: {', '.join(unknown)} not among {', '.join(FRAMEWORKS)}")
     args.data = str(Path(args.data).resolve())
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if args.worker is None:
         return parent(args)
-    result = (worker_alignflow if args.worker == "alignflow" else worker_trl)(args)
+    result = (worker_trl if args.worker == "trl" else worker_alignflow)(args)
     Path(args.worker_out).write_text(json.dumps(result))
     return 0
 

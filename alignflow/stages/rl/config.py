@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from alignflow.config.base import NOT_RESULT, Frozen, GenerationConfig, OptimConfig, PromptDataConfig, TrainingSection, python_object_spec
+from alignflow.config.base import HASHED_WHEN_SET, NOT_RESULT, Frozen, GenerationConfig, OptimConfig, PromptDataConfig, TrainingSection, python_object_spec
 
 
 class Estimator(str, enum.Enum):
@@ -154,6 +154,15 @@ class PolicyLossConfig(Frozen):
     aggregation: Literal["token", "sequence"] = "token"
     entropy_coef: float = Field(0.0, ge=0)
     epochs: int = Field(1, ge=1, description="Passes over each rollout batch.")
+    old_logprobs: Literal["auto", "recompute"] = Field(
+        "auto", description="`auto`: the generator's log-probs of the tokens it sampled are the old log-probs, with no "
+                            "pass over the batch, while they are the actor's: each step's first micro-batch (before any "
+                            "update) measures the gap, and past `old_logprob_tolerance` the pass runs after all. "
+                            "`recompute`: a no-grad pass with the actor every step (always, with importance_cap or a KL "
+                            "placed in the reward).", json_schema_extra=HASHED_WHEN_SET)
+    old_logprob_tolerance: float = Field(1e-3, gt=0, description="Mean |log π_engine - log π_actor| per token above "
+                                                                 "which `auto` runs the old-log-prob pass.",
+                                         json_schema_extra=HASHED_WHEN_SET)
 
 
 class CriticConfig(Frozen):
@@ -180,6 +189,11 @@ class WorkersConfig(Frozen):
     cpus_per_worker: float = Field(1, gt=0, json_schema_extra=NOT_RESULT)
     gpus_per_worker: float = Field(0, ge=0, json_schema_extra=NOT_RESULT)
     colocate: Literal["all", "pairs", "none"] = Field("all", json_schema_extra=NOT_RESULT)
+    hybrid: bool | Literal["auto"] = Field(
+        "auto", description="The actor workers generate from their own weights (no rollout workers, no weight push). "
+                            "`auto`: when it can, i.e. with generation.engine hf, colocate all, one engine per actor "
+                            "worker and whole weights on each (deepspeed.zero_stage < 3); `true` insists; `false`: "
+                            "separate rollout workers, the layout for vLLM and GPUs.", json_schema_extra=NOT_RESULT)
 
 
 class RLConfig(TrainingSection):
@@ -233,11 +247,32 @@ class RLConfig(TrainingSection):
                              "group by group")
         if self.generation.weight_sync == "adapter" and self.lora is None:
             raise ValueError("generation.weight_sync: adapter pushes the actor's LoRA adapter: it needs a `lora:` section")
+        if self.workers.hybrid is True and self.hybrid_blocker():
+            raise ValueError(f"workers.hybrid: true generates in the actor workers, which needs {self.hybrid_blocker()}; "
+                             "set workers.hybrid: auto or false")
         if self.generation.sleep and (not self.workers.gpus_per_worker or self.workers.colocate != "all"):
             raise ValueError("generation.sleep frees the vLLM engines' GPU memory while colocated roles train: it needs "
                              f"workers.gpus_per_worker > 0 and workers.colocate: all (got {self.workers.gpus_per_worker} "
                              f"and {self.workers.colocate}); on CPU leave it off")
         return self
+
+    def hybrid_blocker(self) -> str | None:
+        """What keeps the actor workers from generating with their own weights, or None when nothing does."""
+        g, w = self.generation, self.workers
+        if g.engine != "hf":
+            return f"generation.engine: hf (got {g.engine})"
+        if w.colocate != "all":
+            return f"workers.colocate: all (got {w.colocate})"
+        if g.engines != w.actor:
+            return f"generation.engines equal to workers.actor (got {g.engines} and {w.actor})"
+        if self.deepspeed.zero_stage == 3:
+            return "whole weights on each actor worker: deepspeed.zero_stage below 3 (got 3)"
+        return None
+
+    @property
+    def hybrid(self) -> bool:
+        """The actor workers are the rollout engines (`workers.hybrid`)."""
+        return self.workers.hybrid is not False and self.hybrid_blocker() is None
 
     def edges(self) -> dict[str, str]:
         return {**super().edges(), **({"reward_model": self.reward.model} if self.reward.model else {})}

@@ -137,7 +137,7 @@ class Roles:
 
     def __init__(self, rl: RLConfig, base: str, reward_model: str | None, pad_id: int, steps: int, out: str, key: str):
         self.rl, est = rl, rl.advantage.estimator
-        wanted = {"actor": rl.workers.actor, "rollout": rl.generation.engines}
+        wanted = {"actor": rl.workers.actor, **({} if rl.hybrid else {"rollout": rl.generation.engines})}
         self.needs_reference = rl.kl.coef > 0 or rl.kl.target is not None
         if self.needs_reference and rl.lora is None:  # under LoRA the reference is the actor with its adapter off
             wanted["reference"] = rl.workers.reference
@@ -161,15 +161,17 @@ class Roles:
         except BaseException:
             self.shutdown()  # no actor or placement group outlives a failed start
             raise
-        self.actor, self.rollout = self.groups["actor"], self.groups["rollout"]
-        print("rl: worker groups " + ", ".join(f"{role} x{len(self.slots[role])}" for role in self.slots), flush=True)
+        self.actor = self.groups["actor"]
+        self.rollout = self.actor if rl.hybrid else self.groups["rollout"]  # hybrid: the actor workers generate
+        print("rl: worker groups " + ", ".join(f"{role} x{len(self.slots[role])}" for role in self.slots)
+              + (" (hybrid: the actor generates)" if rl.hybrid else ""), flush=True)
         self.reference, self.critic, self.reward = (self.groups.get(r) for r in ("reference", "critic", "reward"))
 
     def _plan(self, wanted: dict[str, int]) -> dict[str, list]:
         """Slots for every role. A tensor-parallel engine gets a bundle of its own with its TP GPUs: vLLM
         starts one process per GPU inside the rollout worker, on the GPUs Ray gave that worker."""
         w, tp = self.rl.workers, self.rl.generation.tensor_parallel_size
-        apart = {"rollout": wanted.pop("rollout")} if tp > 1 else {}
+        apart = {"rollout": wanted.pop("rollout")} if tp > 1 and "rollout" in wanted else {}
         slots = plan_slots(wanted, w.cpus_per_worker, w.gpus_per_worker, w.colocate)
         try:
             slots.update(plan_slots(apart, w.cpus_per_worker, w.gpus_per_worker * tp, "none") if apart else {})
@@ -188,7 +190,7 @@ class Roles:
         for role, (cls, _) in setups.items():
             self.groups[role] = WorkerGroup(role, cls, self.slots[role])
         trainers = [role for role in setups if role != "rollout"]
-        waves = [trainers, ["rollout"]] if self.rl.workers.gpus_per_worker > 0 else [list(setups)]
+        waves = [trainers, ["rollout"]] if self.rl.workers.gpus_per_worker > 0 and "rollout" in setups else [list(setups)]
         for wave in waves:
             refs = [ref for role in wave for ref in (*self.groups[role].joined, *self.groups[role].submit("setup", *setups[role][1]))]
             ray.get(refs)
@@ -217,9 +219,11 @@ class Roles:
 
     def sync_weights(self) -> None:
         """The actor's full weights (or, with `weight_sync: adapter`, its LoRA adapter) to every rollout worker,
-        through the object store."""
+        through the object store; nothing in the hybrid layout, where the actor generates."""
         import ray
 
+        if self.rl.hybrid:
+            return
         adapter = self.rl.generation.weight_sync == "adapter"
         refs = [(w.adapter if adapter else w.weights).remote() for w in self.actor.workers]  # a collective: every rank gathers
         self.rollout.call("load_adapter" if adapter else "load_weights", refs[0])
@@ -237,6 +241,11 @@ class Loop:
     def __init__(self, rl: RLConfig, train: list[PromptRow], held: list[PromptRow], tokenizer, roles: Roles, executor: Executor):
         self.rl, self.train, self.held, self.tokenizer, self.roles, self.executor = rl, train, held, tokenizer, roles, executor
         self.kl_coef = rl.kl.coef
+        # The pass is skipped only where nothing before training reads the old log-probs and the loss does not
+        # weigh the engine's against them (truncated importance sampling).
+        kl_in_reward = roles.needs_reference and rl.kl.placement == "reward"
+        self.recompute_old_logprobs = (rl.policy.old_logprobs == "recompute" or kl_in_reward
+                                       or rl.generation.importance_cap is not None)
 
     def sample(self, step: int) -> tuple[list[PromptRow], Episodes, dict[str, float]]:
         """Prompts and their n scored samples each; with dynamic sampling, groups whose rewards
@@ -269,11 +278,12 @@ class Loop:
         scores = episodes.scores
         clock.lap("generate_and_score")
         exp = Experience.from_rollouts(episodes.rollouts, self.tokenizer.pad_token_id)
-        old_logp = roles.actor.call("logprobs", exp)[0]
+        old_logp = roles.actor.call("logprobs", exp)[0] if self.recompute_old_logprobs else None
         ref_logp = roles.reference_logprobs(exp)
         values = roles.critic.call("values", exp)[0] if roles.critic else None
         clock.lap("inference")
-        kl = kl_per_token(old_logp, ref_logp, rl.kl.estimator) * exp.mask if ref_logp is not None else None
+        behaviour = old_logp if old_logp is not None else exp.sampled_logp  # the KL as logged (placement: loss)
+        kl = kl_per_token(behaviour, ref_logp, rl.kl.estimator) * exp.mask if ref_logp is not None else None
         penalty = self.kl_coef * kl if kl is not None and rl.kl.placement == "reward" else None
         adv, returns = advantages(rl.advantage.estimator, scores, exp.mask, n=rl.generation.n_samples_per_prompt,
                                   gamma=rl.advantage.gamma, lam=rl.advantage.lam, kl=penalty, values=values,
@@ -288,8 +298,11 @@ class Loop:
         clock.lap("sync")
         kl_mean = float((kl.sum() / exp.mask.sum()) if kl is not None else 0.0)
         # Generator vs trainer log-probs of the same tokens: ~0 with the HF backend (same kernels); vLLM's CPU
-        # kernels stay within ~1e-6 here; a growing value means the engine's weights are not the actor's.
-        metrics["logprob_mismatch"] = float(((exp.sampled_logp - old_logp).abs() * exp.mask).sum() / exp.mask.sum())
+        # kernels stay within ~1e-6 here; a growing value means the engine's weights are not the actor's. Without
+        # the pass, the actor measured it on its first micro-batch.
+        if old_logp is not None:
+            metrics["logprob_mismatch"] = float(((exp.sampled_logp - old_logp).abs() * exp.mask).sum() / exp.mask.sum())
+            metrics["old_logprob_pass"] = 1.0
         metrics.update(self.rollout_metrics(episodes, exp, clock), kl=kl_mean, kl_coef=self.kl_coef, **info)
         if rl.kl.target is not None and kl is not None:  # Ziegler et al. 2019: adapt β toward the target KL per sequence
             self.kl_coef = adaptive_kl_coef(self.kl_coef, float(kl.sum(-1).mean()), rl.kl.target, rl.kl.horizon, len(exp))

@@ -21,6 +21,7 @@ from alignflow.stages.rl.config import RLConfig
 from alignflow.infra import storage
 from alignflow.stages.common.checkpoint import Checkpointer, seed_everything, staging_dir
 from alignflow.stages.common.data import rank_micro_batches
+from alignflow.stages.common.generation import HFGenerator, Rollout, SamplingParams
 from alignflow.stages.common.models import is_lora, load_causal_lm, parameter_counts, load_reward_model, load_tokenizer, merged_state_dict, with_lora
 from alignflow.stages.common.reference import adapter_off
 from alignflow.stages.common.rowwise import all_rows
@@ -108,8 +109,23 @@ class ActorWorker(TrainedRole):
     def setup(self, rl: RLConfig, model_path: str, total_steps: int, stage_uri: str, key: str) -> None:
         seed_everything(rl.batch.seed)
         self.tokenizer = load_tokenizer(model_path)
-        self._init(rl, lambda: with_lora(load_causal_lm(model_path, rl.model), rl.lora), rl.optim, total_steps, stage_uri, key)
+        model = self._init(rl, lambda: with_lora(load_causal_lm(model_path, rl.model), rl.lora), rl.optim, total_steps, stage_uri, key)
         seed_everything(rl.batch.seed + self.strategy.rank)
+        self.generator = None
+        if rl.hybrid:  # the rollout engine is this worker: it samples from the very weights it trains
+            training = model.training
+            self.generator = HFGenerator(model, self.tokenizer.eos_token_id, self.tokenizer.pad_token_id, rl.generation.batch_size)
+            model.train(training)
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Rollout]:
+        """Hybrid layout: sample with the policy's own module (eval mode for the call: no dropout)."""
+        model = self.generator.model
+        training = model.training
+        model.eval()
+        try:
+            return self.generator.generate(prompts, params)
+        finally:
+            model.train(training)
 
     def logprobs(self, exp: Experience) -> torch.Tensor:
         temperature = self.rl.generation.temperature
@@ -124,15 +140,20 @@ class ActorWorker(TrainedRole):
         with adapter_off(self.strategy):
             return self.logprobs(exp)
 
-    def train(self, exp: Experience, old_logp: torch.Tensor, advantages: torch.Tensor, ref_logp: torch.Tensor | None,
+    def train(self, exp: Experience, old_logp: torch.Tensor | None, advantages: torch.Tensor, ref_logp: torch.Tensor | None,
               kl_coef: float, step: int) -> dict[str, float]:
+        """`old_logp` None: the generator's log-probs stand in for the old ones (`policy.old_logprobs: auto`), checked
+        by `_old_logprobs` on the first micro-batch."""
         rl = self.rl
         kl_in_loss = ref_logp is not None and rl.kl.placement == "loss" and kl_coef > 0
+        old_state: dict[str, Any] = {"old": old_logp}
 
         def micro_loss(sub: Experience, rows: list[int], num_tokens: float, num_sequences: float):
             r = sub.mask.shape[1]
             logp, entropy = response_logprobs(self.strategy.engine, sub, rl.generation.temperature, with_entropy=True)
-            old = old_logp[rows, :r].to(logp.device)
+            if old_state["old"] is None:
+                old_state.update(self._old_logprobs(exp, sub, logp.detach()))
+            old = old_state["old"][rows, :r].to(logp.device)
             cap, floor = rl.generation.importance_cap, rl.generation.importance_floor
             weight = truncated_is_weight(old, sub.sampled_logp, sub.mask, cap, floor) if cap is not None else None
             loss, m = policy_loss(logp, old, advantages[rows, :r], sub.mask, rl.policy.clip_low, rl.policy.clip_high,
@@ -151,10 +172,23 @@ class ActorWorker(TrainedRole):
 
         sums = self._train(exp, step, micro_loss)
         steps = max(1, sums["optimizer_steps"])
-        return {"policy_loss": sums["policy_loss"] / steps, "clip_frac": sums["clip_tokens"] / max(sums["tokens"], 1),
+        checked = {k: old_state[k] for k in ("logprob_mismatch", "old_logprob_pass") if k in old_state}
+        return {**checked, "policy_loss": sums["policy_loss"] / steps, "clip_frac": sums["clip_tokens"] / max(sums["tokens"], 1),
                 "entropy": sums["entropy_sum"] / max(sums["tokens"], 1), "approx_kl": sums["approx_kl_sum"] / max(sums["tokens"], 1),
                 **({"kl_loss": sums["kl_loss"] / steps} if "kl_loss" in sums else {}),
                 "grad_norm": sums["grad_norm"], "lr": sums["lr"], "actor_peak_rss_mib": peak_rss_mib()}
+
+    def _old_logprobs(self, exp: Experience, first: Experience, logp: torch.Tensor) -> dict[str, Any]:
+        """The old log-probs of the whole batch, decided on the step's first micro-batch: no update has happened
+        yet, so `logp` are the old policy's own. When the generator's log-probs of the same tokens are within
+        `policy.old_logprob_tolerance` of them (mean per token over every rank's first micro-batch), they are the
+        old log-probs; otherwise the no-grad pass runs now, still at the old weights (every rank decides alike)."""
+        gap, tokens = self.strategy.all_reduce_sum([float(((logp - first.sampled_logp).abs() * first.mask).sum()),
+                                                    float(first.mask.sum())])
+        mismatch = gap / max(tokens, 1.0)
+        recompute = mismatch > self.rl.policy.old_logprob_tolerance
+        return {"old": self.logprobs(exp) if recompute else exp.sampled_logp, "logprob_mismatch": mismatch,
+                "old_logprob_pass": float(recompute)}
 
     def weights(self) -> dict[str, torch.Tensor] | None:
         """Full weights on rank 0 (gathered under ZeRO-3; every rank must call); LoRA: merged, under the base
