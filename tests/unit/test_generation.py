@@ -68,3 +68,20 @@ def test_weights_load_into_the_generator(model, tokenizer, tiny_model_path):
     assert torch.equal(other.state_dict()["lm_head.weight"], state["lm_head.weight"])
     with pytest.raises(RuntimeError, match="weights do not fit the generator"):
         gen.load_weights({"nope": torch.zeros(1)})
+
+
+def test_each_prompt_is_prefilled_once_for_its_n_samples(model, tokenizer):
+    gen = HFGenerator(model, tokenizer.eos_token_id, tokenizer.pad_token_id, batch_size=6)  # 2 prompts x 3 per call
+    batch = prompts(tokenizer, "12+34", "rev abcd", "x")
+    shapes = []
+    hook = model.register_forward_pre_hook(lambda m, args, kw: shapes.append(tuple(kw["input_ids"].shape)), with_kwargs=True)
+    try:
+        grouped = gen.generate(batch, SamplingParams(max_new_tokens=4, temperature=0, n=3))
+    finally:
+        hook.remove()
+    prefills = [s for s in shapes if s[1] > 1]
+    assert [s[0] for s in prefills] == [2, 1]  # the prompts, not their 9 samples
+    single = gen.generate(batch, SamplingParams(max_new_tokens=4, temperature=0))
+    for k, r in enumerate(grouped):  # greedy: every sample of a prompt is that prompt's one greedy answer
+        assert r.prompt_ids == single[k // 3].prompt_ids and r.response_ids == single[k // 3].response_ids
+        torch.testing.assert_close(torch.tensor(r.logprobs), torch.tensor(single[k // 3].logprobs), atol=1e-5, rtol=0)

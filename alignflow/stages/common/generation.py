@@ -70,42 +70,54 @@ class HFGenerator:
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Rollout]:
-        expanded = [p for p in prompts for _ in range(params.n)]
+        """n samples of each prompt, in order (a prompt's samples together). Each prompt is prefilled once and its
+        KV cache copied to its n samples (a GRPO group of 8 prefills 1 prompt, not 8)."""
         generator = torch.Generator().manual_seed(params.seed)
+        per_call = max(1, self.batch_size // params.n)  # prompts per batch: batch_size counts sequences
         out: list[Rollout] = []
-        for k in range(0, len(expanded), self.batch_size):
-            out += self._batch(expanded[k:k + self.batch_size], params, generator)
+        for k in range(0, len(prompts), per_call):
+            out += self._batch(prompts[k:k + per_call], params, generator)
         return out
 
     def _batch(self, prompts: list[list[int]], params: SamplingParams, generator: torch.Generator) -> list[Rollout]:
-        width = max(len(p) for p in prompts)
+        width, n = max(len(p) for p in prompts), params.n
         device = next(self.model.parameters()).device
         ids = torch.full((len(prompts), width), self.pad, dtype=torch.long)
         attn = torch.zeros_like(ids)
         for b, p in enumerate(prompts):  # left padding: every prompt ends where generation starts
             ids[b, width - len(p):], attn[b, width - len(p):] = torch.tensor(p), 1
         ids, attn = ids.to(device), attn.to(device)
-        cache, position = None, (attn.cumsum(-1) - 1).clamp(min=0)
-        done = torch.zeros(len(prompts), dtype=torch.bool, device=device)
+        position = (attn.cumsum(-1) - 1).clamp(min=0)
+        # the prompts once (only the last position's logits), then every sample continues from its prompt's cache
+        result = self.model(input_ids=ids, attention_mask=attn, position_ids=position, use_cache=True, logits_to_keep=1)
+        cache, logits = result.past_key_values, result.logits[:, -1].repeat_interleave(n, dim=0)
+        if n > 1:
+            cache.batch_repeat_interleave(n)
+            attn, position = attn.repeat_interleave(n, dim=0), position.repeat_interleave(n, dim=0)
+        rows = len(prompts) * n
+        done = torch.zeros(rows, dtype=torch.bool, device=device)
+        stop_ids = torch.tensor([self.eos, *params.stop_token_ids], device=device)
         tokens, logps = [], []
-        step_ids, step_pos = ids, position
-        for _ in range(params.max_new_tokens):
-            result = self.model(input_ids=step_ids, attention_mask=attn, position_ids=step_pos, past_key_values=cache, use_cache=True)
-            cache = result.past_key_values
-            logits = result.logits[:, -1].float() / (params.temperature or 1.0)
+        step_pos = position[:, -1:]
+        for step in range(params.max_new_tokens):
+            if step:
+                result = self.model(input_ids=token.unsqueeze(-1), attention_mask=attn, position_ids=step_pos,
+                                    past_key_values=cache, use_cache=True)
+                cache, logits = result.past_key_values, result.logits[:, -1]
+            logits = logits.float() / (params.temperature or 1.0)
             logp = torch.log_softmax(logits, -1)
             token = logits.argmax(-1) if params.temperature == 0 else sample(logits, params, generator).to(device)
             token = torch.where(done, torch.full_like(token, self.pad), token)
             tokens.append(token)
             logps.append(logp.gather(-1, token.unsqueeze(-1)).squeeze(-1))
-            done |= torch.isin(token, torch.tensor([self.eos, *params.stop_token_ids], device=device))
+            done |= torch.isin(token, stop_ids)
             if bool(done.all()):
                 break
             attn = torch.cat([attn, torch.ones_like(attn[:, :1])], dim=-1)  # finished rows' outputs are discarded
-            step_pos = step_pos[:, -1:] + 1
-            step_ids = token.unsqueeze(-1)
+            step_pos = step_pos + 1
         stops = {self.eos, *params.stop_token_ids}
-        return [self._rollout(p, [int(t[b]) for t in tokens], [float(lp[b]) for lp in logps], stops) for b, p in enumerate(prompts)]
+        tokens_of, logps_of = torch.stack(tokens, -1).tolist(), torch.stack(logps, -1).tolist()
+        return [self._rollout(prompts[b // n], tokens_of[b], logps_of[b], stops) for b in range(rows)]
 
     def _rollout(self, prompt: list[int], tokens: list[int], logps: list[float], stops: set[int]) -> Rollout:
         end = next((j + 1 for j, t in enumerate(tokens) if t in stops), None)

@@ -39,29 +39,29 @@ class Experience:
 
     @staticmethod
     def from_rollouts(rollouts: list[Rollout], pad_id: int) -> "Experience":
-        b = len(rollouts)
         width = max(len(r.prompt_ids) + len(r.response_ids) for r in rollouts)
         resp = max(1, max(len(r.response_ids) for r in rollouts))
-        ids = torch.full((b, width), pad_id, dtype=torch.long)
-        attn = torch.zeros((b, width), dtype=torch.long)
-        positions = torch.zeros((b, resp), dtype=torch.long)
-        targets = torch.full((b, resp), pad_id, dtype=torch.long)
-        mask = torch.zeros((b, resp))
-        sampled = torch.zeros((b, resp))
-        packed = any(r.position_ids is not None for r in rollouts)
-        pos = torch.arange(width).repeat(b, 1) if packed else None
-        for i, r in enumerate(rollouts):
+        ids, targets, mask, sampled, prompt_lens = [], [], [], [], []
+        for r in rollouts:  # lists first, one tensor each: per-row tensor writes cost ~10 ms a step
             p, n = len(r.prompt_ids), len(r.response_ids)
-            ids[i, :p + n] = torch.tensor(r.prompt_ids + r.response_ids)
-            attn[i, :p + n] = 1
-            positions[i] = (p - 1 + torch.arange(resp)).clamp(max=width - 1)
-            targets[i, :n] = torch.tensor(r.response_ids, dtype=torch.long)
-            mask[i, :n] = torch.tensor(r.action_mask, dtype=torch.float32) if r.action_mask is not None else 1.0
-            sampled[i, :n] = torch.tensor(r.logprobs) * mask[i, :n]
-            if r.position_ids is not None:  # padding continues the last call's positions: causal, so never seen
-                pos[i, :p + n] = torch.tensor(r.position_ids)
-                pos[i, p + n:] = r.position_ids[-1] + 1 + torch.arange(width - p - n)
-        return Experience(ids, attn, positions, targets, mask, sampled, pos)
+            ids.append(r.prompt_ids + r.response_ids + [pad_id] * (width - p - n))
+            targets.append(r.response_ids + [pad_id] * (resp - n))
+            m = [float(a) for a in r.action_mask] if r.action_mask is not None else [1.0] * n
+            mask.append(m + [0.0] * (resp - n))
+            sampled.append([lp * a for lp, a in zip(r.logprobs, m)] + [0.0] * (resp - n))
+            prompt_lens.append(p)
+        lens = torch.tensor([len(r.prompt_ids) + len(r.response_ids) for r in rollouts])
+        attn = (torch.arange(width) < lens.unsqueeze(-1)).long()
+        positions = (torch.tensor(prompt_lens).unsqueeze(-1) - 1 + torch.arange(resp)).clamp(max=width - 1)
+        pos = None
+        if any(r.position_ids is not None for r in rollouts):
+            pos = torch.arange(width).repeat(len(rollouts), 1)
+            for i, r in enumerate(rollouts):
+                if r.position_ids is not None:  # padding continues the last call's positions: causal, so never seen
+                    k = len(r.position_ids)
+                    pos[i, :k] = torch.tensor(r.position_ids)
+                    pos[i, k:] = r.position_ids[-1] + 1 + torch.arange(width - k)
+        return Experience(torch.tensor(ids), attn, positions, torch.tensor(targets), torch.tensor(mask), torch.tensor(sampled), pos)
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -70,6 +70,15 @@ class Experience:
     def lengths(self) -> list[int]:
         """Tokens of each row (prompt + response): what a micro-batch pads to."""
         return self.attention_mask.sum(-1).tolist()
+
+    def micro_batch(self, index: list[int]) -> "Experience | SharedRows":
+        """The given rows as the model runs them: rows that share a prompt as `SharedRows` (the prompt computed
+        once) when any do, else padded rows (`rows`). Agent rows of several calls always go as padded rows."""
+        if self.position_ids is None:
+            groups = prompt_groups(self, index)
+            if len(groups) < len(index):
+                return SharedRows.build(self, index, groups)
+        return self.rows(index)
 
     def rows(self, index: list[int]) -> "Experience":
         """The given rows, cut to their own widths (a micro-batch)."""
@@ -89,6 +98,76 @@ class Experience:
             return {"input_ids": self.input_ids, "attention_mask": self.attention_mask}
         return {"input_ids": self.input_ids, "attention_mask": None, "position_ids": self.position_ids}
 
+    @property
+    def source(self) -> torch.Tensor:
+        """(B, R) flat index (into the model's B x T outputs) of the output that predicts response token j."""
+        return self.positions + torch.arange(len(self), device=self.positions.device).unsqueeze(-1) * self.input_ids.shape[1]
+
+
+def prompt_groups(exp: Experience, index: list[int]) -> list[list[int]]:
+    """`index` grouped by prompt (equal prompt token ids), in first-seen order."""
+    groups: dict[tuple[int, ...], list[int]] = {}
+    starts = exp.positions[:, 0] + 1  # a row's response starts where its prompt ends
+    for i in index:
+        groups.setdefault(tuple(exp.input_ids[i, :int(starts[i])].tolist()), []).append(i)
+    return list(groups.values())
+
+
+@dataclass
+class SharedRows:
+    """A micro-batch whose rows sharing a prompt run as ONE row: the prompt once, then each response (prefix
+    sharing, as the preference stages run chosen and rejected: `stages/common/pairs.py`). Each response's
+    position ids continue the prompt's, and a 4D mask hides the other responses from it, so every token sees
+    exactly what it sees in its own row and the outputs equal the padded rows' (a test checks). A GRPO group
+    of n samples then computes its prompt once instead of n times.
+
+    Per-token tensors stay (B, R) in the order of the rows asked for; `source` indexes the G x T outputs."""
+
+    input_ids: torch.Tensor  # (G, T) one row per prompt group, right-padded
+    attention_mask: torch.Tensor  # (G, 1, T, T) bool, True = may attend
+    position_ids: torch.Tensor  # (G, T)
+    source: torch.Tensor  # (B, R) flat index into G x T of the output that predicts response token j
+    targets: torch.Tensor  # (B, R)
+    mask: torch.Tensor  # (B, R)
+    sampled_logp: torch.Tensor  # (B, R)
+
+    @staticmethod
+    def build(exp: Experience, index: list[int], groups: list[list[int]]) -> "SharedRows":
+        sub = exp.rows(index)  # the (B, R) tensors, cut to this micro-batch's response width
+        resp = sub.mask.shape[1]
+        starts, lengths = (exp.positions[:, 0] + 1).tolist(), exp.attention_mask.sum(-1).tolist()
+        ids_of = exp.input_ids.tolist()
+        rows, segments, positions, where = [], [], [], {}
+        for g, members in enumerate(groups):
+            p = starts[members[0]]
+            ids, seg, pos = ids_of[members[0]][:p], [0] * p, list(range(p))
+            for k, i in enumerate(members, start=1):
+                n = lengths[i] - p
+                where[i] = (g, len(ids), n, p)
+                ids += ids_of[i][p:p + n]
+                seg += [k] * n
+                pos += range(p, p + n)
+            rows.append(ids), segments.append(seg), positions.append(pos)
+        width = max(len(r) for r in rows)
+        pad = lambda x, v: [r + [v] * (width - len(r)) for r in x]  # noqa: E731
+        seg = torch.tensor(pad(segments, -1))  # -1: padding, which sees the prompt and itself (outputs never read)
+        # a token sees the earlier tokens of the prompt (segment 0) and of its own response
+        allowed = torch.ones(width, width, dtype=torch.bool).tril() & ((seg.unsqueeze(1) == 0) | (seg.unsqueeze(1) == seg.unsqueeze(2)))
+        # response token j is predicted by the output before it: the prompt's last, then the response's own (past
+        # the response, where the mask is 0, the response's last output stands in)
+        g, at, n, p = torch.tensor([where[i] for i in index]).unsqueeze(-1).unbind(1)
+        start = g * width + at  # the response's first token, in the flattened G x T outputs
+        j = torch.arange(resp)
+        source = torch.where(j == 0, g * width + p - 1, torch.minimum(start + j - 1, start + n.clamp(min=1) - 1))
+        return SharedRows(torch.tensor(pad(rows, 0)), allowed.unsqueeze(1), torch.tensor(pad(positions, 0)), source,
+                          sub.targets, sub.mask, sub.sampled_logp)
+
+    def to(self, device) -> "SharedRows":
+        return SharedRows(*(getattr(self, f).to(device) for f in self.__dataclass_fields__))
+
+    def model_inputs(self) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.input_ids, "attention_mask": self.attention_mask, "position_ids": self.position_ids}
+
 
 def response_widths(mask: torch.Tensor) -> torch.Tensor:
     """(B,) 1 + the index of each row's last 1 in `mask` (0 for an empty row): with holes in the mask this is
@@ -96,19 +175,19 @@ def response_widths(mask: torch.Tensor) -> torch.Tensor:
     return (mask.ne(0) * torch.arange(1, mask.shape[-1] + 1, device=mask.device)).amax(-1)
 
 
-def response_logprobs(model, exp: Experience, temperature: float, with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+def response_logprobs(model, exp: "Experience | SharedRows", temperature: float, with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(B, R) log-probs of the response tokens under `model` at the sampling temperature, and
     optionally their entropies. Both garbage where mask is 0."""
     logits = model(**exp.model_inputs(), use_cache=False).logits
-    picked = logits.gather(1, exp.positions.unsqueeze(-1).expand(-1, -1, logits.size(-1))).float() / temperature
+    picked = logits.flatten(0, 1)[exp.source].float() / temperature
     logp = -torch.nn.functional.cross_entropy(picked.reshape(-1, picked.size(-1)), exp.targets.reshape(-1),
                                               reduction="none").view_as(exp.targets)
     return logp, entropy_from_logits(picked) if with_entropy else None
 
 
-def response_values(model, head: torch.nn.Module, exp: Experience) -> torch.Tensor:
+def response_values(model, head: torch.nn.Module, exp: "Experience | SharedRows") -> torch.Tensor:
     """(B, R) critic values at the positions that predict each response token (the state before it)."""
     from alignflow.stages.common.pairs import token_scores
 
     inputs = exp.model_inputs()
-    return token_scores(model, head, inputs["input_ids"], inputs["attention_mask"], inputs.get("position_ids")).gather(1, exp.positions)
+    return token_scores(model, head, inputs["input_ids"], inputs["attention_mask"], inputs.get("position_ids")).flatten()[exp.source]

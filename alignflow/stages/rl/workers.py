@@ -35,7 +35,7 @@ from alignflow.stages.rl.losses import aggregate, policy_loss, truncated_is_weig
 def per_row(strategy, micro: int, exp: Experience, forward) -> torch.Tensor:
     """(B, R) values of every row, computed in micro-batches split over the group (a collective:
     every worker of the role calls it with the whole batch, and every worker gets all rows)."""
-    values = all_rows(strategy, exp.lengths, micro, lambda rows: {"v": forward(exp.rows(rows).to(strategy.device))},
+    values = all_rows(strategy, exp.lengths, micro, lambda rows: {"v": forward(exp.micro_batch(rows).to(strategy.device))},
                       width=exp.mask.shape[1])
     return values["v"] * exp.mask
 
@@ -80,7 +80,7 @@ class TrainedRole(Worker):
             for rows in optimizer_batches(len(exp), rl.batch.global_batch_size, rl.batch.seed, step, epoch):
                 num_tokens = float(exp.mask[rows].sum().clamp(min=1))
                 for micro in rank_micro_batches(rows, lengths, rl.batch.micro_batch_size, s.world_size, s.rank):
-                    loss, parts = micro_loss(exp.rows(micro).to(s.device), micro, num_tokens, float(len(rows)))
+                    loss, parts = micro_loss(exp.micro_batch(micro).to(s.device), micro, num_tokens, float(len(rows)))
                     s.backward(loss)
                     s.step()
                     for k, v in parts.items():
