@@ -98,7 +98,7 @@ class HFGenerator:
         done = torch.zeros(rows, dtype=torch.bool, device=device)
         stop_ids = torch.tensor([self.eos, *params.stop_token_ids], device=device)
         tokens, logps = [], []
-        step_pos = position[:, -1:]
+        step_pos, token = position[:, -1:], None
         for step in range(params.max_new_tokens):
             if step:
                 result = self.model(input_ids=token.unsqueeze(-1), attention_mask=attn, position_ids=step_pos,

@@ -53,26 +53,25 @@ class PairBatch:
 
 
 def collate_pairs(pairs: list[Pair], pad_id: int) -> PairBatch:
+    # Python lists first and one tensor each: per-pair tensor writes cost several ms a step on the tiny model.
     width = max(len(p) for p in pairs)
-    b = len(pairs)
-    ids = torch.full((b, width), pad_id, dtype=torch.long)
-    pos = torch.zeros((b, width), dtype=torch.long)
-    source = torch.zeros((b, width), dtype=torch.long)
-    chosen_mask, rejected_mask = torch.zeros((b, width)), torch.zeros((b, width))
-    allowed = torch.eye(width, dtype=torch.bool).repeat(b, 1, 1, 1)  # pads see themselves only (no empty softmax rows)
-    ends = torch.zeros((2, b), dtype=torch.long)
-    for i, pair in enumerate(pairs):
+    ids, pos, source, segments, ends = [], [], [], [], []
+    for pair in pairs:
         p, c, r = pair.prompt_len, len(pair.chosen) - pair.prompt_len, len(pair.rejected) - pair.prompt_len
-        n = p + c + r
-        ids[i, :n] = torch.tensor(pair.chosen.input_ids + pair.rejected.input_ids[p:])
-        pos[i, :n] = torch.cat([torch.arange(p + c), torch.arange(p, p + r)])
-        source[i, 1:n] = torch.arange(n - 1)
-        source[i, p + c] = p - 1  # the first rejected token follows the prompt, not the chosen response
-        chosen_mask[i, p:p + c], rejected_mask[i, p + c:n] = 1.0, 1.0
-        allowed[i, 0, :n, :n] = torch.tril(torch.ones(n, n, dtype=torch.bool))
-        allowed[i, 0, p + c:n, p:p + c] = False  # rejected tokens do not see the chosen ones
-        ends[:, i] = torch.tensor([p + c - 1, n - 1])
-    return PairBatch(ids, pos, allowed, source, chosen_mask, rejected_mask, ends[0], ends[1])
+        n, pad = p + c + r, width - (p + c + r)
+        ids.append(pair.chosen.input_ids + pair.rejected.input_ids[p:] + [pad_id] * pad)
+        pos.append([*range(p + c), *range(p, p + r)] + [0] * pad)
+        # the first rejected token follows the prompt, not the chosen response
+        source.append([0, *range(p + c - 1), p - 1, *range(p + c, n - 1)] + [0] * pad)
+        segments.append([0] * p + [1] * c + [2] * r + [-1] * pad)
+        ends.append((p + c - 1, n - 1))
+    seg = torch.tensor(segments)
+    # a token sees the earlier tokens of the prompt and of its own response (rejected tokens do not see the
+    # chosen ones); padding (-1) sees the prompt and the padding before it, and its outputs are never read
+    allowed = torch.ones(width, width, dtype=torch.bool).tril() & ((seg.unsqueeze(1) == 0) | (seg.unsqueeze(1) == seg.unsqueeze(2)))
+    ends_t = torch.tensor(ends).T
+    return PairBatch(torch.tensor(ids), torch.tensor(pos), allowed.unsqueeze(1), torch.tensor(source),
+                     (seg == 1).float(), (seg == 2).float(), ends_t[0].contiguous(), ends_t[1].contiguous())
 
 
 def pair_logps(model, pairs: list[Pair], pad_id: int, device) -> dict[str, torch.Tensor]:

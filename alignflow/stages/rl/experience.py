@@ -113,6 +113,24 @@ def prompt_groups(exp: Experience, index: list[int]) -> list[list[int]]:
     return list(groups.values())
 
 
+def pack_blocks(lengths: list[int]) -> tuple[list[list[int]], list[tuple[int, int]]]:
+    """Blocks into rows as wide as the longest block, first-fit by decreasing length (the padding-free layout:
+    little padding, and attention stays within rows no wider than the widest block). Returns each row's blocks
+    and each block's (row, offset)."""
+    width = max(lengths)
+    rows: list[list[int]] = []
+    used: list[int] = []
+    placed = [(0, 0)] * len(lengths)
+    for b in sorted(range(len(lengths)), key=lambda b: (-lengths[b], b)):
+        r = next((r for r in range(len(rows)) if used[r] + lengths[b] <= width), len(rows))
+        if r == len(rows):
+            rows.append([]), used.append(0)
+        placed[b] = (r, used[r])
+        rows[r].append(b)
+        used[r] += lengths[b]
+    return rows, placed
+
+
 @dataclass
 class SharedRows:
     """A micro-batch whose rows sharing a prompt run as ONE row: the prompt once, then each response (prefix
@@ -134,32 +152,42 @@ class SharedRows:
     @staticmethod
     def build(exp: Experience, index: list[int], groups: list[list[int]]) -> "SharedRows":
         sub = exp.rows(index)  # the (B, R) tensors, cut to this micro-batch's response width
-        resp = sub.mask.shape[1]
         starts, lengths = (exp.positions[:, 0] + 1).tolist(), exp.attention_mask.sum(-1).tolist()
         ids_of = exp.input_ids.tolist()
-        rows, segments, positions, where = [], [], [], {}
-        for g, members in enumerate(groups):
+        blocks, where = [], {}  # one block per group: its prompt, then each response
+        for members in groups:
             p = starts[members[0]]
             ids, seg, pos = ids_of[members[0]][:p], [0] * p, list(range(p))
             for k, i in enumerate(members, start=1):
                 n = lengths[i] - p
-                where[i] = (g, len(ids), n, p)
-                ids += ids_of[i][p:p + n]
-                seg += [k] * n
-                pos += range(p, p + n)
-            rows.append(ids), segments.append(seg), positions.append(pos)
-        width = max(len(r) for r in rows)
+                where[i] = (len(blocks), len(ids), n, p)
+                ids, seg, pos = ids + ids_of[i][p:p + n], seg + [k] * n, pos + list(range(p, p + n))
+            blocks.append((ids, seg, pos))
+        rows, placed = pack_blocks([len(b[0]) for b in blocks])
+        width = max(sum(len(blocks[b][0]) for b in row) for row in rows)
+        ids, seg, group, pos = ([[] for _ in rows] for _ in range(4))
+        for r, row in enumerate(rows):
+            for b in row:
+                ids[r] += blocks[b][0]
+                seg[r] += blocks[b][1]
+                group[r] += [b] * len(blocks[b][0])
+                pos[r] += blocks[b][2]
         pad = lambda x, v: [r + [v] * (width - len(r)) for r in x]  # noqa: E731
-        seg = torch.tensor(pad(segments, -1))  # -1: padding, which sees the prompt and itself (outputs never read)
-        # a token sees the earlier tokens of the prompt (segment 0) and of its own response
-        allowed = torch.ones(width, width, dtype=torch.bool).tril() & ((seg.unsqueeze(1) == 0) | (seg.unsqueeze(1) == seg.unsqueeze(2)))
+        seg_t, group_t = torch.tensor(pad(seg, -1)), torch.tensor(pad(group, -1))  # -1: padding
+        # a token sees the earlier tokens of its own group's prompt (segment 0) and of its own response; padding
+        # sees the padding before it (its outputs are never read)
+        same_group = group_t.unsqueeze(1) == group_t.unsqueeze(2)
+        visible = (seg_t.unsqueeze(1) == 0) | (seg_t.unsqueeze(1) == seg_t.unsqueeze(2))
+        allowed = torch.ones(width, width, dtype=torch.bool).tril() & same_group & visible
         # response token j is predicted by the output before it: the prompt's last, then the response's own (past
         # the response, where the mask is 0, the response's last output stands in)
         g, at, n, p = torch.tensor([where[i] for i in index]).unsqueeze(-1).unbind(1)
-        start = g * width + at  # the response's first token, in the flattened G x T outputs
-        j = torch.arange(resp)
-        source = torch.where(j == 0, g * width + p - 1, torch.minimum(start + j - 1, start + n.clamp(min=1) - 1))
-        return SharedRows(torch.tensor(pad(rows, 0)), allowed.unsqueeze(1), torch.tensor(pad(positions, 0)), source,
+        row_of, offset = torch.tensor(placed).unbind(1)
+        block_start = row_of[g] * width + offset[g]  # the block in the flattened rows x T outputs
+        start = block_start + at
+        j = torch.arange(sub.mask.shape[1])
+        source = torch.where(j == 0, block_start + p - 1, torch.minimum(start + j - 1, start + n.clamp(min=1) - 1))
+        return SharedRows(torch.tensor(pad(ids, 0)), allowed.unsqueeze(1), torch.tensor(pad(pos, 0)), source,
                           sub.targets, sub.mask, sub.sampled_logp)
 
     def to(self, device) -> "SharedRows":
