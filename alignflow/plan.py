@@ -198,7 +198,8 @@ def plan_rl(cfg, stage: str, gpu_bytes: float) -> StagePlan:
         roles["critic"] = trainer("critic", model_shape(reward_model or root_model(cfg, stage), reward=True), rl, w.critic, seq, micro)
     if reward_model:
         roles["reward"] = frozen("reward", model_shape(reward_model, reward=True), rl, w.reward)
-    roles["rollout"] = engine(model_shape(root_model(cfg, stage)) if rl.lora else base, rl, gpu_bytes)  # merged weights
+    if not rl.hybrid:  # hybrid: the actor generates with its own weights (its KV cache is activation-sized)
+        roles["rollout"] = engine(model_shape(root_model(cfg, stage)) if rl.lora else base, rl, gpu_bytes)  # merged weights
     groups = {"all": [list(roles)], "pairs": [["actor", "reference"], ["critic", "reward"], ["rollout"]],
               "none": [[r] for r in roles]}[w.colocate]
     if rl.generation.tensor_parallel_size > 1:  # a tensor-parallel engine gets bundles of its own

@@ -32,6 +32,26 @@ def test_grpo_raises_held_out_accuracy(tiny_sft, tmp_path):
           f"training reward (mean of 10 steps) {first:.3f} -> {last:.3f}")
     assert m["eval/reward"] >= m["eval/reward_initial"] + 0.10
     assert last > first
+    # hybrid: the actor generated, so its log-probs were the generator's and no step needed the pass
+    assert all(r["train/old_logprob_pass"] == 0 and r["train/logprob_mismatch"] < 1e-5 for r in steps)
+
+
+def test_the_old_logprob_pass_comes_back_when_the_engine_drifts_from_the_actor(tiny_sft, tmp_path, monkeypatch):
+    """A separate rollout worker whose weight push is switched off keeps sampling from the SFT weights while the actor
+    moves. Step 1 samples from the actor's own weights: no pass. From step 2 the first micro-batch measures the drift,
+    past the tolerance, and the pass runs."""
+    from alignflow.stages.rl.stage import Roles
+
+    _, sft = tiny_sft
+    monkeypatch.setattr(Roles, "sync_weights", lambda self: None)
+    result = main(config(tmp_path, "rl.workers.hybrid=false", "rl.batch.max_steps=3", "rl.logging.eval_every=100",
+                         "rl.optim.lr=1e-3", "rl.policy.old_logprob_tolerance=1e-4"), "rl", None, {"from": sft["uri"]})
+    steps = [r for r in history(result["uri"]) if "train/policy_loss" in r]
+    drift = [r["train/logprob_mismatch"] for r in steps]
+    print(f"
+engine left behind: logprob mismatch per step {[f'{x:.1e}' for x in drift]}")
+    assert [r["train/old_logprob_pass"] for r in steps] == [0.0, 1.0, 1.0]
+    assert drift[0] < 1e-5 and min(drift[1:]) > 1e-4
 
 
 def test_ppo_with_critic_raises_the_reward_model_score(tiny_sft, tiny_rm, tmp_path):

@@ -51,6 +51,17 @@ def test_vllm_options_need_the_vllm_engine():
         rl("rl.generation.tensor_parallel_size=2")
 
 
+def test_the_actor_generates_when_the_layout_allows_and_says_why_not():
+    assert rl().section("rl").hybrid  # tiny.yaml: HF engine, colocate all, ZeRO-0, one actor worker
+    for setting, reason in [("rl.generation.engine=vllm", "generation.engine: hf"), ("rl.workers.colocate=pairs", "colocate: all"),
+                            ("rl.deepspeed.zero_stage=3", "zero_stage below 3"), ("rl.workers.actor=2", "generation.engines equal")]:
+        assert not rl(setting).section("rl").hybrid  # auto: separate rollout workers
+        with pytest.raises(ConfigError, match=f"workers.hybrid: true generates in the actor workers, which needs .*{reason}"):
+            rl(setting, "rl.workers.hybrid=true")
+    assert not rl("rl.workers.hybrid=false").section("rl").hybrid
+    assert rl("rl.workers.actor=2", "rl.generation.engines=2", "rl.deepspeed.zero_stage=2").section("rl").hybrid
+
+
 def test_stop_tokens_end_a_response_like_eos(tiny_model_path, tokenizer):
     from transformers import AutoModelForCausalLM
 

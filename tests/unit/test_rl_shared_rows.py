@@ -32,10 +32,10 @@ def test_rows_sharing_a_prompt_run_once_and_give_the_padded_rows_outputs(model):
     exp = Experience.from_rollouts(rollouts(), pad_id=0)
     index = [4, 1, 6, 0, 5, 3, 2]  # any order: outputs come back in the order asked for
     shared, padded = exp.micro_batch(index), exp.rows(index)
-    assert isinstance(shared, SharedRows) and shared.input_ids.shape[0] == 3  # prompts a, b and [21]
-    # each prompt once: a (5) + 3 + 1 + 2, b (2) + 1 + 4 + 4, [21] (1) + 2 = 25 tokens, in 3 rows of 11;
-    # the padded rows hold 39 real tokens in 7 rows of 8
-    assert shared.input_ids.shape == (3, 11) and int(padded.attention_mask.sum()) == 39 and padded.input_ids.shape == (7, 8)
+    # each prompt once: a (5) + 3 + 1 + 2 = 11, b (2) + 1 + 4 + 4 = 11, [21] (1) + 2 = 3 tokens: 25 tokens packed
+    # into rows of at most 16 (1.5x the widest group), [a, [21]] and [b]; the padded rows hold 39 real tokens
+    assert isinstance(shared, SharedRows) and shared.input_ids.shape == (2, 14)
+    assert int(padded.attention_mask.sum()) == 39 and padded.input_ids.shape == (7, 8)
     with torch.no_grad():
         logp_s, ent_s = response_logprobs(model, shared, temperature=0.7, with_entropy=True)
         logp_p, ent_p = response_logprobs(model, padded, temperature=0.7, with_entropy=True)

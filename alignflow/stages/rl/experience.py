@@ -114,10 +114,11 @@ def prompt_groups(exp: Experience, index: list[int]) -> list[list[int]]:
 
 
 def pack_blocks(lengths: list[int]) -> tuple[list[list[int]], list[tuple[int, int]]]:
-    """Blocks into rows as wide as the longest block, first-fit by decreasing length (the padding-free layout:
-    little padding, and attention stays within rows no wider than the widest block). Returns each row's blocks
-    and each block's (row, offset)."""
-    width = max(lengths)
+    """Blocks into rows of 1.5x the longest block, first-fit by decreasing length (the padding-free layout: little
+    padding, and the quadratic attention stays within short rows). Returns each row's blocks and each block's
+    (row, offset). 1.5x: a GRPO micro-batch's forward + backward took 0.73 s against 0.79 / 0.76 / 0.80 s at 1x /
+    2x / 3x on builtin:small, 0.045 s against 0.050 / 0.050 / 0.055 s on builtin:tiny."""
+    width = max(lengths) * 3 // 2
     rows: list[list[int]] = []
     used: list[int] = []
     placed = [(0, 0)] * len(lengths)
