@@ -10,8 +10,15 @@ thread count (all cores this process may use) and the same environment (`worker_
 whose helpers this file reuses; RAY_ADDRESS is removed so alignflow always starts its own private Ray). The parent
 prints a markdown table and, with --json, writes every figure and every per-step record.
 
-An "RL step" is one round of: sample 16 prompts x 8 completions (128), score them, compute the old log-probs, train
-on them (2 optimizer steps of 64 completions), and, in alignflow, push the new weights to the rollout worker.
+An "RL step" is one round of: sample 16 prompts x 8 completions (128), score them, compute the old log-probs (where
+the framework needs a pass for them), train on them (2 optimizer steps of 64 completions), and, where the generator is
+a separate process, push the new weights to it.
+
+Frameworks (--frameworks): `alignflow` as shipped (configs/tiny.yaml's rl defaults: the hybrid layout, in which the
+actor worker generates from its own weights, and no old-log-prob pass while the generator's log-probs are the
+actor's); `alignflow-separate`, the layout before issue 15 (`workers.hybrid=false`, `policy.old_logprobs=recompute`: a
+separate rollout worker with a weight push every step, and the no-grad pass over the batch), with everything else as
+shipped; `trl`.
 
 The same work on both sides
 - model: the same local HF folder, fp32, sdpa attention, no gradient checkpointing, no bf16 (TRL's configs default to
@@ -50,10 +57,13 @@ The same work on both sides
   `generation_batch_size=128`: TRL generates once every 2 optimizer steps). Because the second optimizer step trains
   on samples from the policy before the first one, both compute the old log-probs with a no-grad forward over the 128
   rows after generation, in 2 chunks of 64 (TRL does that when gradient_accumulation_steps is not a multiple of
-  steps_per_generation x num_iterations; alignflow always does). alignflow generates the 128 sequences in one batch
+  steps_per_generation x num_iterations; alignflow-separate always does). alignflow as shipped takes the generator's
+  log-probs instead: its generator is the actor itself, and the first micro-batch checks that they agree (the pass
+  would run past `policy.old_logprob_tolerance`; here it never does, `train/old_logprob_pass` is 0). alignflow generates the 128 sequences in one batch
   (`generation.batch_size=128`, its default is 64) because TRL's transformers path generates the whole generation
   batch in one `model.generate` call.
-- optimizer: torch.optim.AdamW (non-fused, alignflow inside a DeepSpeed ZeRO-0 fp32 engine, TRL `optim="adamw_torch"`),
+- optimizer: torch.optim.AdamW (alignflow: fused, its default, inside a DeepSpeed ZeRO-0 fp32 engine; TRL
+  `optim="adamw_torch"`, its default, non-fused),
   lr 1e-4 constant, no warmup, betas (0.9, 0.95), eps 1e-8, no weight decay, grad-norm clipping at 1.0.
 - generation: TRL `use_vllm=False` (its transformers `generate` path: sampling with a KV cache, stop at EOS);
   alignflow's HF rollout backend (`HFGenerator`: its own sampling loop over the model with a KV cache, stop when
@@ -61,10 +71,10 @@ The same work on both sides
 
 What is measured (per RL step; the first --warmup RL steps are not timed)
 - alignflow: the published metrics.json `history` gives each step's phases, timed by the driver (`Loop.step`):
-  `phase/generate_and_score_s` (prompt pick, the Ray call to the rollout worker that generates, decode + reward
-  function), `phase/inference_s` (the actor's no-grad old log-prob forwards, through Ray), `phase/train_s` (advantages
-  and the actor's 2 optimizer steps, through Ray), `phase/sync_s` (the actor's full weights through Ray's object store
-  into the rollout worker). Step time = the sum of these four. The worker also wraps `Loop.step` to record its whole
+  `phase/generate_and_score_s` (prompt pick, the Ray call to the worker that generates, decode + reward
+  function), `phase/inference_s` (building the batch's tensors and, where it runs, the actor's no-grad old log-prob
+  pass, through Ray), `phase/train_s` (advantages and the actor's 2 optimizer steps, through Ray), `phase/sync_s` (the
+  actor's full weights through Ray's object store into the rollout worker; 0 in the hybrid layout). Step time = the sum of these four. The worker also wraps `Loop.step` to record its whole
   span: "unaccounted" = span - phase sum (the per-step metrics computed after the sync; should be ~0), and the
   loop wall (first timed step start -> last timed step end, so it also holds what runs between steps: the metrics
   log) shows whether anything else takes time between steps. Setup (Ray start, the actor and rollout worker
@@ -91,12 +101,15 @@ What is measured (per RL step; the first --warmup RL steps are not timed)
 - reward: the mean reward of each step's 128 completions (alignflow `reward/mean`; TRL: from the adapter); the table
   shows the first and last step's.
 
-Differences that remain (each is part of what the framework does; none changes the work per step)
-- processes: alignflow runs the policy trainer (actor) and the generator (rollout) as two Ray actor processes plus
-  the driver and Ray's own daemons (GCS, raylet, monitors), so every phase pays Ray calls and serialisation (the
-  experience to the actor, the weights to the rollout worker), and Ray's daemons use some CPU all the time; TRL runs
-  everything in one process on one model. The two actors share one placement-group bundle of --threads CPUs
-  (`workers.colocate=all`) and run one after another, each with --threads torch threads.
+Differences that remain (each is part of what the framework does; none changes the result of a step beyond rounding)
+- processes: alignflow runs the policy trainer (actor, which in the hybrid layout also generates; alignflow-separate:
+  and the generator, a second Ray actor) plus the driver and Ray's own daemons (GCS, raylet, monitors), so every
+  phase pays Ray calls and serialisation (the experience to the actor; alignflow-separate: the weights to the rollout
+  worker), and Ray's daemons use some CPU all the time; TRL runs everything in one process on one model. The actors
+  share one placement-group bundle of --threads CPUs (`workers.colocate=all`), each with --threads torch threads.
+- prompt sharing: alignflow prefills each prompt once for its 8 samples, and its training forwards run the rows of a
+  micro-batch that share a prompt as one row (the prompt once, a 4D mask; groups packed into rows of 1.5x the widest
+  group), which computes the same outputs from fewer tokens; TRL runs every completion as its own padded row.
 - generation: alignflow samples with its own loop (temperature-scaled log-softmax of every step's logits, kept as
   the sampling log-probs); TRL uses `model.generate` (logits processors, stopping criteria). Different random
   streams, so the completions (and their lengths) differ; with the random tiny model almost every completion runs

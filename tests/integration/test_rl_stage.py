@@ -48,8 +48,7 @@ def test_the_old_logprob_pass_comes_back_when_the_engine_drifts_from_the_actor(t
                          "rl.optim.lr=1e-3", "rl.policy.old_logprob_tolerance=1e-4"), "rl", None, {"from": sft["uri"]})
     steps = [r for r in history(result["uri"]) if "train/policy_loss" in r]
     drift = [r["train/logprob_mismatch"] for r in steps]
-    print(f"
-engine left behind: logprob mismatch per step {[f'{x:.1e}' for x in drift]}")
+    print(f"\nengine left behind: logprob mismatch per step {[f'{x:.1e}' for x in drift]}")
     assert [r["train/old_logprob_pass"] for r in steps] == [0.0, 1.0, 1.0]
     assert drift[0] < 1e-5 and min(drift[1:]) > 1e-4
 
