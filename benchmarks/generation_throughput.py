@@ -174,7 +174,7 @@ def worker_gen(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
     import transformers
 
-    from alignflow.config import ModelConfig
+    from alignflow.config.base import ModelConfig
     from alignflow.stages.common.generation import HFGenerator, SamplingParams
     from alignflow.stages.common.models import load_causal_lm, load_tokenizer, resolve_model_path
 

@@ -60,7 +60,7 @@ The same work on both sides
   steps_per_generation x num_iterations; alignflow-separate always does). alignflow as shipped takes the generator's
   log-probs instead: its generator is the actor itself, and the first micro-batch checks that they agree (the pass
   would run past `policy.old_logprob_tolerance`; here it never does, `train/old_logprob_pass` is 0). alignflow generates the 128 sequences in one batch
-  (`generation.batch_size=128`, its default is 64) because TRL's transformers path generates the whole generation
+  (`generation.batch_size=128`, as configs/tiny.yaml ships it) because TRL's transformers path generates the whole generation
   batch in one `model.generate` call.
 - optimizer: torch.optim.AdamW (alignflow: fused, its default, inside a DeepSpeed ZeRO-0 fp32 engine; TRL
   `optim="adamw_torch"`, its default, non-fused),
@@ -137,6 +137,7 @@ than ~5% is flagged and should not be compared. `--wait-idle SECONDS` waits for 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import shlex
@@ -155,6 +156,7 @@ from sft_throughput import busy_cpu_seconds, children_cpu_seconds, cpu_threads, 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = ROOT / "configs" / "tiny.yaml"
 DEFAULT_DATA = ROOT / "data" / "rl" / "train.jsonl"
+EVAL_DATA = ROOT / "data" / "rl" / "eval.jsonl"  # the held-out prompts of --eval-every
 REWARD_SPEC = f"{ROOT / 'rewards' / 'tiny_tasks.py'}:exact_answer"
 
 PROMPTS_PER_STEP = 16
@@ -347,6 +349,8 @@ def worker_alignflow(args: argparse.Namespace) -> dict[str, Any]:
         "rl.logging.progress=false",
         f"rl.checkpoint.every_steps={NEVER}",
         *ALIGNFLOW_VARIANTS[args.worker],
+        # --eval-every: the stage's own held-out evaluation (greedy, before step 1 and every K steps; not in step times)
+        *([f"rl.data.eval_path={EVAL_DATA}", f"rl.logging.eval_every={args.eval_every}"] if args.eval_every else []),
     ]
     cfg = load_config(args.config, overrides)
 
@@ -401,6 +405,7 @@ def worker_alignflow(args: argparse.Namespace) -> dict[str, Any]:
 
     return {
         "steps": steps,
+        "evals": {int(h["step"]): h["eval/reward"] for h in metrics["history"] if "eval/reward" in h},
         "threads": torch.get_num_threads(),
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__, "deepspeed": deepspeed.__version__,
                      "ray": ray.__version__},
@@ -412,6 +417,53 @@ def worker_alignflow(args: argparse.Namespace) -> dict[str, Any]:
         "leftover_child_pids": leftover,
         "train_prompts": metrics.get("data", {}).get("train", {}).get("used"),
     }
+
+
+class HeldOutBase:
+    """TRL's held-out evaluation, as alignflow's rl stage evaluates: greedy answers (at most MAX_NEW_TOKENS, ending at
+    EOS) to the prompts of data/rl/eval.jsonl, scored by the same reward function; the mean is the accuracy. Before
+    the first step and every `every` RL steps (2 optimizer steps each)."""
+
+    def __init__(self, model, tokenizer, reward, every: int, out: dict[int, float], ours) -> None:
+        from alignflow.config.base import PromptDataConfig
+        from alignflow.stages.rl.data import load_prompts
+
+        self.model, self.tokenizer, self.reward, self.every, self.out = model, tokenizer, reward, every, out
+        self.rows, _, _ = load_prompts(PromptDataConfig(path=str(EVAL_DATA), max_len=MAX_PROMPT_LEN, eval_fraction=0.0), ours, SEED)
+
+    def accuracy(self) -> float:
+        import torch
+
+        pad, eos, scores = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id, []
+        training = self.model.training
+        self.model.eval()
+        with torch.no_grad():
+            for k in range(0, len(self.rows), 100):
+                chunk = self.rows[k:k + 100]
+                width = max(len(r.ids) for r in chunk)
+                ids = torch.tensor([[pad] * (width - len(r.ids)) + r.ids for r in chunk])
+                attn = torch.tensor([[0] * (width - len(r.ids)) + [1] * len(r.ids) for r in chunk])
+                out = self.model.generate(input_ids=ids, attention_mask=attn, max_new_tokens=MAX_NEW_TOKENS, do_sample=False,
+                                          eos_token_id=eos, pad_token_id=pad)[:, width:].tolist()
+                completions = [c[:c.index(eos) + 1] if eos in c else c for c in out]
+                texts = [self.tokenizer.decode(c, skip_special_tokens=True) for c in completions]
+                columns = {key: [r.columns[key] for r in chunk] for key in chunk[0].columns}
+                scores += self.reward([r.text for r in chunk], texts, [r.ids for r in chunk], completions, columns).tolist()
+        self.model.train(training)
+        return sum(scores) / len(scores)
+
+    def on_train_begin(self, args, state, control, **kw):
+        self.out[0] = self.accuracy()
+
+    def on_step_end(self, args, state, control, **kw):
+        if state.global_step % (self.every * OPTIM_STEPS_PER_RL_STEP) == 0:
+            self.out[state.global_step // OPTIM_STEPS_PER_RL_STEP] = self.accuracy()
+
+
+def HeldOut(*a, **k):
+    from transformers import TrainerCallback
+
+    return type("HeldOut", (HeldOutBase, TrainerCallback), {})(*a, **k)
 
 
 def worker_trl(args: argparse.Namespace) -> dict[str, Any]:
@@ -565,8 +617,12 @@ def worker_trl(args: argparse.Namespace) -> dict[str, Any]:
                 self.reward_s.append(time.perf_counter() - t0)
 
     timing = Timing()
+    evals: dict[int, float] = {}
+    callbacks: list[Any] = [timing]
+    if args.eval_every:  # after Timing's on_step_end, so outside the step times
+        callbacks.append(HeldOut(model, tokenizer, reference, args.eval_every, evals, ours))
     trainer = Timed(model=model, reward_funcs=[exact_answer], args=config, train_dataset=dataset, processing_class=tokenizer,
-                    callbacks=[timing])
+                    callbacks=callbacks)
     trl_ids, _, _ = trainer._tokenize_prompts([[{"role": "user", "content": r.text}] for r in train])
     same_prompt_ids = [list(x) for x in trl_ids] == [r.ids for r in train]
     gen_cfg = trainer.generation_config
@@ -611,6 +667,7 @@ def worker_trl(args: argparse.Namespace) -> dict[str, Any]:
         })
     return {
         "steps": steps,
+        "evals": evals,
         "threads": torch.get_num_threads(),
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__, "trl": trl.__version__},
         "setup_s": trainer.fetch[0] - t_imports,
@@ -650,6 +707,14 @@ def summarise(result: dict[str, Any], warmup: int) -> dict[str, Any]:
     for key in ("rollout_call_s", "score_s", "generate_call_s", "reward_call_s"):
         if all(key in s for s in timed):
             out[key] = sum(s[key] for s in timed) / n
+    evals = {int(k): v for k, v in result.get("evals", {}).items()}  # JSON keys are strings
+    if 0 in evals:
+        # training time = the summed step times (warmup steps included) up to the first evaluation 10 points up
+        elapsed = list(itertools.accumulate(s["step_time_s"] for s in result["steps"]))
+        hit = min((k for k, v in evals.items() if k > 0 and v >= evals[0] + 0.10 - 1e-9), default=None)
+        out.update(accuracy_initial=evals[0], accuracy_final=evals[max(evals)], steps_to_plus10=hit,
+                   time_to_plus10_s=elapsed[hit - 1] if hit else None,
+                   evals=" ".join(f"{k}:{v:.3f}" for k, v in sorted(evals.items())))
     return out
 
 
@@ -657,7 +722,7 @@ def worker_command(args: argparse.Namespace, framework: str, out: Path, tmp: Pat
     return [
         sys.executable, str(Path(__file__).resolve()), "--worker", framework,
         "--steps", str(args.steps), "--warmup", str(args.warmup), "--model", args.model,
-        "--data", str(args.data), "--config", str(args.config), "--threads", str(args.threads),
+        "--data", str(args.data), "--config", str(args.config), "--threads", str(args.threads), "--eval-every", str(args.eval_every),
         "--tmp", str(tmp), "--worker-out", str(out),
     ]
 
@@ -731,7 +796,8 @@ def aggregate(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if ok:
             for key in ok[0]["summary"]:
                 values = [r["summary"][key] for r in ok if r["summary"].get(key) is not None]
-                row[key] = statistics.median(values) if values else None
+                numbers = all(isinstance(v, (int, float)) for v in values)
+                row[key] = (statistics.median(values) if numbers else values[0]) if values else None
             for key in CHECK_KEYS:
                 if key in ok[0]["result"]:
                     row[key] = ok[0]["result"][key]
@@ -771,6 +837,13 @@ def markdown(rows: list[dict[str, Any]], args: argparse.Namespace, meta: dict[st
             f"{fmt(r['reward_first'], '.3f')} -> {fmt(r['reward_last'], '.3f')} | {fmt(r['other_cpu_share'], '.0%')} | `{r['command']}` |"
         )
     lines.append("")
+    for r in rows:
+        if r.get("accuracy_initial") is not None:
+            hit = (f"+10 points at step {r['steps_to_plus10']}, after {r['time_to_plus10_s']:.1f} s of step time"
+                   if r.get("steps_to_plus10") else "never +10 points")
+            lines.append(f"{r['framework']}: held-out greedy accuracy {r['accuracy_initial']:.3f} -> {r['accuracy_final']:.3f}; "
+                         f"{hit} (step:accuracy {r['evals']})")
+    lines.append("")
     a = next((r for r in rows if r["framework"] == "alignflow" and "step_time_s" in r), None)
     t = next((r for r in rows if r["framework"] == "trl" and "step_time_s" in r), None)
     if a and t:
@@ -793,7 +866,7 @@ def markdown(rows: list[dict[str, Any]], args: argparse.Namespace, meta: dict[st
             f"alignflow: inside generation + scoring, the Ray call that generates took {fmt(a.get('rollout_call_s'), '.3f')} s/step and "
             f"decode + reward {fmt(a.get('score_s'), '.3f')} s/step; generation-phase rate {a['gen_phase_tokens_per_s']:,.0f} tokens/s. "
             f"Setup {fmt(a.get('setup_s'), '.1f')} s (Ray start {fmt(parts.get('ray_start_s'), '.1f')} s, actor + rollout workers "
-            f"{fmt(parts.get('workers_start_s'), '.1f')} s); weight sync through Ray's object store every step. "
+            f"{fmt(parts.get('workers_start_s'), '.1f')} s). "
             f"Ray processes reaped by the worker: {a.get('subreaper')}; left running: {a.get('leftover_child_pids') or 'none'}."
         )
     if t:
@@ -882,6 +955,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="before each run, wait up to this long for other processes to leave the CPU idle (default 0: do not wait)")
     p.add_argument("--keep-workdir", action="store_true", help="keep the worker folders (logs, published models) instead of deleting them")
     p.add_argument("--threads", type=int, default=cpu_threads(), help="torch threads for every run (default: all usable cores)")
+    p.add_argument("--eval-every", type=int, default=0, metavar="K",
+                   help="held-out greedy accuracy (data/rl/eval.jsonl) before step 1 and every K RL steps, outside the step "
+                        "times, and the training time each framework takes to gain 10 points (default 0: none)")
     p.add_argument("--data", default=str(DEFAULT_DATA), help=argparse.SUPPRESS)
     p.add_argument("--config", default=str(DEFAULT_CONFIG), help=argparse.SUPPRESS)
     # worker mode (used by the parent)

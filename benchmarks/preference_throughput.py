@@ -203,7 +203,7 @@ def worker_alignflow(args: argparse.Namespace) -> dict[str, Any]:
         if current is not None:
             current["tokens"] += sum(len(p) for p in pairs)  # real tokens of the shared-prompt rows
             current["padded"] += int(batch.input_ids.numel())
-            current["micro_rows"].append(int(batch.input_ids.shape[0]))
+            current["micro_rows"].append(len(pairs))  # pairs per forward (packed into fewer rows)
         return batch
 
     def timed_train_step(*a, **k):  # loop wall time and token counts; per-step figures come from metrics.json
@@ -225,8 +225,8 @@ def worker_alignflow(args: argparse.Namespace) -> dict[str, Any]:
     if len(history) != total or len(spans) != total:
         raise RuntimeError(f"expected {total} steps, metrics.json has {len(history)}, timed {len(spans)}")
     for i, c in enumerate(counts):
-        if c["micro_rows"] != [MICRO_BATCH] * (GLOBAL_BATCH // MICRO_BATCH):  # one shared-prompt row per pair
-            raise RuntimeError(f"alignflow step {i + 1} ran forwards of {c['micro_rows']} rows, expected 2 x {MICRO_BATCH}")
+        if c["micro_rows"] != [MICRO_BATCH] * (GLOBAL_BATCH // MICRO_BATCH):  # one shared-prompt block per pair
+            raise RuntimeError(f"alignflow step {i + 1} ran forwards of {c['micro_rows']} pairs, expected 2 x {MICRO_BATCH}")
     steps = [
         {"step": h["step"], "pairs": GLOBAL_BATCH, "tokens": counts[i]["tokens"], "padded": counts[i]["padded"],
          "step_time_s": h["train/step_time_s"], "pairs_per_s_reported": h.get("train/pairs_per_s"), "loss": h["train/loss"],
@@ -414,7 +414,7 @@ def worker_trl(args: argparse.Namespace) -> dict[str, Any]:
 def same_tokens_as_alignflow(prepared, tokenizer, args: argparse.Namespace) -> dict[str, Any]:
     """Whether TRL's tokenized pairs equal alignflow's (as multisets). DPO: prompt+chosen and prompt+rejected ids with
     their response masks, after the collator's keep-start truncation to max_length. RM: chosen and rejected ids."""
-    from alignflow.config import PreferenceDataConfig
+    from alignflow.config.base import PreferenceDataConfig
     from alignflow.stages.common.pairs import load_pairs
 
     train, _, _ = load_pairs(PreferenceDataConfig(path=args.data, max_len=MAX_LEN, eval_fraction=0.0), tokenizer, SEED)

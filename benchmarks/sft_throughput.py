@@ -353,7 +353,7 @@ def worker_trl(args: argparse.Namespace) -> dict[str, Any]:
 
 def same_tokens_as_alignflow(prepared, tokenizer, args: argparse.Namespace) -> bool:
     """True when TRL's tokenized rows equal alignflow's samples (ids and loss mask), as multisets."""
-    from alignflow.config import DataConfig
+    from alignflow.stages.sft.config import DataConfig
     from alignflow.stages.sft.data import load_sft_samples
 
     train, _, _ = load_sft_samples(DataConfig(path=args.data, max_len=MAX_LEN, eval_fraction=0.0), tokenizer, SEED)

@@ -48,9 +48,11 @@ def test_shared_rows_compute_what_separate_rows_do(tmp_path, tokenizer, tiny_mod
     from alignflow.stages.common.logprobs import forward_logprobs, sequence_logprobs
     from alignflow.stages.common.pairs import pair_logps, pair_rewards
 
-    rows = [{"prompt": "12+34", "chosen": "46", "rejected": "4600"}, {"prompt": "rev abcd", "chosen": "dcba", "rejected": "x"}]
+    rows = [{"prompt": "12+34", "chosen": "46", "rejected": "4600"}, {"prompt": "rev abcd", "chosen": "dcba", "rejected": "x"},
+            {"prompt": "reverse the letters of abcdefghijklmnop", "chosen": "ponmlkjihgfedcba", "rejected": "abcdefghijklmnop"}]
     pairs, _, _ = load_pairs(pairs_cfg(jsonl(tmp_path, rows)), tokenizer, 0)
     pad = tokenizer.pad_token_id
+    assert collate_pairs(pairs, pad).input_ids.shape[0] == 1  # the short pairs share the long one's row (padding-free)
     torch.manual_seed(0)
     lm = AutoModelForCausalLM.from_pretrained(tiny_model_path).eval()
     shared = pair_logps(lm, pairs, pad, "cpu")
