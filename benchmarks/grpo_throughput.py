@@ -370,10 +370,20 @@ def worker_alignflow(args: argparse.Namespace) -> dict[str, Any]:
                 record(t0, time.perf_counter())
         return wrapper
 
-    # Driver-side only (the actors run in their own processes); per-step phases come from metrics.json.
-    stage.Loop.step = timed(lambda t0, t1: spans.append((t0, t1)), loop_step)
-    stage.Roles.generate = timed(lambda t0, t1: rollout_calls.append(t1 - t0), roles_generate)
-    stage.Scorer.__call__ = timed(lambda t0, t1: score_calls.append(t1 - t0), scorer_call)
+    # Driver-side only (the actors run in their own processes); per-step phases come from metrics.json. Generation and
+    # scoring are counted inside RL steps only (not in the held-out evaluations of --eval-every).
+    in_step = [False]
+
+    def stepping(*a, **k):
+        in_step[0] = True
+        try:
+            return loop_step(*a, **k)
+        finally:
+            in_step[0] = False
+
+    stage.Loop.step = timed(lambda t0, t1: spans.append((t0, t1)), stepping)
+    stage.Roles.generate = timed(lambda t0, t1: in_step[0] and rollout_calls.append(t1 - t0), roles_generate)
+    stage.Scorer.__call__ = timed(lambda t0, t1: in_step[0] and score_calls.append(t1 - t0), scorer_call)
     stage.Roles.__init__ = timed(lambda t0, t1: setup.__setitem__("workers_start_s", t1 - t0), roles_init)
     stage.connect_ray = timed(lambda t0, t1: setup.__setitem__("ray_start_s", t1 - t0), connect_ray)
     t_main = time.perf_counter()
