@@ -53,7 +53,7 @@ test-e2e: $(STAMP) $(BROWSER)
 bench: $(STAMP)
 	$(PY) benchmarks/sft_throughput.py
 	$(PY) benchmarks/preference_throughput.py --stage rm,dpo
-	$(PY) benchmarks/grpo_throughput.py
+	$(PY) benchmarks/grpo_throughput.py --frameworks alignflow,alignflow-separate,trl
 	$(PY) benchmarks/generation_throughput.py
 	$(PY) benchmarks/generation_throughput.py --rl
 	$(PY) benchmarks/lora_memory.py
