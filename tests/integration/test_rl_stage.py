@@ -57,12 +57,15 @@ def test_ppo_with_critic_raises_the_reward_model_score(tiny_sft, tiny_rm, tmp_pa
     (_, sft), (_, rm) = tiny_sft, tiny_rm
     result = main(config(tmp_path, "rl.batch.max_steps=20", file="tiny-ppo.yaml"), "rl", None,
                   {"from": sft["uri"], "reward_model": rm["uri"]})
-    steps = [r for r in history(result["uri"]) if "reward/mean" in r]
+    m, steps = result["metrics"], [r for r in history(result["uri"]) if "reward/mean" in r]
     first, last = sum(r["reward/mean"] for r in steps[:5]) / 5, sum(r["reward/mean"] for r in steps[-5:]) / 5
     kl = max(r["train/kl"] for r in steps)
-    print(f"\nppo: reward-model score of samples {first:.3f} -> {last:.3f}, max KL {kl:.4f}, "
+    print(f"\nppo: reward-model score of held-out greedy answers {m['eval/reward_initial']:.3f} -> {m['eval/reward']:.3f}, "
+          f"of samples (5-step means) {first:.3f} -> {last:.3f}, max KL {kl:.4f}, "
           f"value loss {steps[0]['train/value_loss']:.3f} -> {steps[-1]['train/value_loss']:.3f}")
-    assert last > first and 0 <= kl < 1.0
+    # The held-out greedy score measures the policy; a step's mean over its 64 sampled answers swings by +-0.2
+    # from step to step (0.33-0.73 in one run), so 5-step means of it can fall while the policy improves.
+    assert m["eval/reward"] >= m["eval/reward_initial"] + 0.10 and 0 <= kl < 1.0
     assert all("train/value_loss" in r and "train/clip_frac" in r for r in steps)
 
 
