@@ -1,7 +1,14 @@
 """Padding-free rows: variable-length blocks (a prompt with its responses) packed into a few rows, each block
-attending only within itself (the 4D masks of `stages/rl/experience.py` and `stages/common/pairs.py`)."""
+attending only within itself. Shared by the RL micro-batches (`stages/rl/experience.py`) and the preference pairs
+(`stages/common/pairs.py`).
+
+A block's tokens carry a segment: 0 for its shared prefix (the prompt), k > 0 for its k-th continuation. A token
+sees the earlier tokens of its own block's prefix and of its own continuation, so each continuation is computed as
+if it followed the prefix alone."""
 
 from __future__ import annotations
+
+import torch
 
 
 def pack_blocks(lengths: list[int]) -> tuple[list[list[int]], list[tuple[int, int]]]:
@@ -21,3 +28,29 @@ def pack_blocks(lengths: list[int]) -> tuple[list[list[int]], list[tuple[int, in
         rows[r].append(b)
         used[r] += lengths[b]
     return rows, placed
+
+
+class Packing:
+    """Where each block of the given lengths goes: `lay` turns per-block token lists into (R, T) tensors (built from
+    Python lists, one tensor each: per-token tensor writes cost milliseconds a step on the tiny model), `starts` are
+    the flat indices (into R x T) of each block's first token."""
+
+    def __init__(self, lengths: list[int]):
+        self.rows, placed = pack_blocks(lengths)
+        self.width = max(sum(lengths[b] for b in row) for row in self.rows)
+        self.starts = torch.tensor([r * self.width + at for r, at in placed])
+
+    def lay(self, per_block: list[list[int]], fill: int) -> torch.Tensor:
+        rows = [[t for b in row for t in per_block[b]] for row in self.rows]
+        return torch.tensor([r + [fill] * (self.width - len(r)) for r in rows])
+
+    def segments(self, per_block: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(R, T) segment of every token (see the module docstring) and (R, T) its block; -1 on padding."""
+        return self.lay(per_block, -1), self.lay([[b] * len(s) for b, s in enumerate(per_block)], -1)
+
+    def attention_mask(self, segment: torch.Tensor, block: torch.Tensor) -> torch.Tensor:
+        """(R, 1, T, T) bool, True = may attend, from `segments`; padding sees the padding before it (its outputs are
+        never read), so no softmax row is empty."""
+        visible = (segment.unsqueeze(1) == 0) | (segment.unsqueeze(1) == segment.unsqueeze(2))
+        causal = torch.ones(self.width, self.width, dtype=torch.bool).tril()
+        return (causal & (block.unsqueeze(1) == block.unsqueeze(2)) & visible).unsqueeze(1)

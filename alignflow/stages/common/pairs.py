@@ -19,7 +19,7 @@ from alignflow.stages.common.data import (DataError, FilteredRow, Sample, chat_p
                                           prompt_value, response_sample, text_or_messages)
 from alignflow.stages.common.formats import conversation, finite_number, shared_prompt
 from alignflow.stages.common.logprobs import sourced_logprobs
-from alignflow.stages.common.packing import pack_blocks
+from alignflow.stages.common.packing import Packing
 
 
 @dataclass
@@ -56,34 +56,21 @@ class PairBatch:
 
 
 def collate_pairs(pairs: list[Pair], pad_id: int) -> PairBatch:
-    # Python lists first and one tensor each: per-pair tensor writes cost several ms a step on the tiny model.
-    rows, placed = pack_blocks([len(p) for p in pairs])
-    width = max(sum(len(pairs[b]) for b in row) for row in rows)
-    ids, pos, source, segments, owner = ([[] for _ in rows] for _ in range(5))
-    for r, row in enumerate(rows):
-        for b in row:
-            pair, at = pairs[b], len(ids[r])
-            p, c, n = pair.prompt_len, len(pair.chosen) - pair.prompt_len, len(pair)
-            ids[r] += pair.chosen.input_ids + pair.rejected.input_ids[p:]
-            pos[r] += [*range(p + c), *range(p, n - c)]
-            # the first rejected token follows the prompt, not the chosen response
-            source[r] += [at + k for k in (0, *range(p + c - 1), p - 1, *range(p + c, n - 1))]
-            segments[r] += [0] * p + [1] * c + [2] * (n - p - c)
-            owner[r] += [b] * n
-    pad = lambda x, v: [r + [v] * (width - len(r)) for r in x]  # noqa: E731
-    seg, who = torch.tensor(pad(segments, -1)), torch.tensor(pad(owner, -1))
-    # a token sees the earlier tokens of its own pair's prompt and of its own response (rejected tokens do not
-    # see the chosen ones); padding (-1) sees the padding before it, and its outputs are never read
-    visible = (seg.unsqueeze(1) == 0) | (seg.unsqueeze(1) == seg.unsqueeze(2))
-    allowed = torch.ones(width, width, dtype=torch.bool).tril() & (who.unsqueeze(1) == who.unsqueeze(2)) & visible
-    flat_seg, flat_who = seg.flatten(), who.flatten()
-    index = torch.arange(len(pairs)).unsqueeze(-1)
-    chosen_mask = ((flat_who == index) & (flat_seg == 1)).float()
-    rejected_mask = ((flat_who == index) & (flat_seg == 2)).float()
-    starts = torch.tensor([r * width + at for r, at in placed])
-    lengths = torch.tensor([[p.prompt_len + len(p.chosen) - p.prompt_len, len(p)] for p in pairs])
-    return PairBatch(torch.tensor(pad(ids, pad_id)), torch.tensor(pad(pos, 0)), allowed.unsqueeze(1), torch.tensor(pad(source, 0)),
-                     chosen_mask, rejected_mask, starts + lengths[:, 0] - 1, starts + lengths[:, 1] - 1)
+    packing = Packing([len(p) for p in pairs])
+    ids, pos, source, segments = [], [], [], []
+    for pair, at in zip(pairs, (packing.starts % packing.width).tolist()):
+        p, c, n = pair.prompt_len, len(pair.chosen) - pair.prompt_len, len(pair)
+        ids.append(pair.chosen.input_ids + pair.rejected.input_ids[p:])
+        pos.append([*range(p + c), *range(p, n - c)])
+        # the first rejected token follows the prompt, not the chosen response (a position in the row)
+        source.append([at + k for k in (0, *range(p + c - 1), p - 1, *range(p + c, n - 1))])
+        segments.append([0] * p + [1] * c + [2] * (n - p - c))  # rejected tokens do not see the chosen ones
+    seg, owner = packing.segments(segments)
+    mine, flat = owner.flatten() == torch.arange(len(pairs)).unsqueeze(-1), seg.flatten()
+    chosen_end = packing.starts + torch.tensor([len(p.chosen) for p in pairs]) - 1
+    return PairBatch(packing.lay(ids, pad_id), packing.lay(pos, 0), packing.attention_mask(seg, owner), packing.lay(source, 0),
+                     (mine & (flat == 1)).float(), (mine & (flat == 2)).float(), chosen_end,
+                     packing.starts + torch.tensor([len(p) for p in pairs]) - 1)
 
 
 def pair_logps(model, pairs: list[Pair], pad_id: int, device) -> dict[str, torch.Tensor]:
@@ -99,7 +86,7 @@ def pair_logps(model, pairs: list[Pair], pad_id: int, device) -> dict[str, torch
 
 
 def pair_rewards(model, head: torch.nn.Module, pairs: list[Pair], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(chosen, rejected) rewards of B pairs, one shared-prompt row each, read at each response's EOS."""
+    """(chosen, rejected) rewards of B pairs, one shared-prompt block each, read at each response's EOS."""
     batch = collate_pairs(pairs, pad_id).to(device)
     scores = token_scores(model, head, batch.input_ids, batch.attention_mask, batch.position_ids).flatten()
     return scores[batch.chosen_end], scores[batch.rejected_end]

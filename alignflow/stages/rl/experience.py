@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from alignflow.stages.common.generation import Rollout
-from alignflow.stages.common.packing import pack_blocks
+from alignflow.stages.common.packing import Packing
 from alignflow.stages.rl.losses import entropy_from_logits
 
 
@@ -42,17 +42,17 @@ class Experience:
     def from_rollouts(rollouts: list[Rollout], pad_id: int) -> "Experience":
         width = max(len(r.prompt_ids) + len(r.response_ids) for r in rollouts)
         resp = max(1, max(len(r.response_ids) for r in rollouts))
-        ids, targets, mask, sampled, prompt_lens = [], [], [], [], []
+        ids, targets, mask, sampled, prompt_lens, lens = [], [], [], [], [], []
         for r in rollouts:  # lists first, one tensor each: per-row tensor writes cost ~10 ms a step
             p, n = len(r.prompt_ids), len(r.response_ids)
+            lens.append(p + n)
             ids.append(r.prompt_ids + r.response_ids + [pad_id] * (width - p - n))
             targets.append(r.response_ids + [pad_id] * (resp - n))
             m = [float(a) for a in r.action_mask] if r.action_mask is not None else [1.0] * n
             mask.append(m + [0.0] * (resp - n))
             sampled.append([lp * a for lp, a in zip(r.logprobs, m)] + [0.0] * (resp - n))
             prompt_lens.append(p)
-        lens = torch.tensor([len(r.prompt_ids) + len(r.response_ids) for r in rollouts])
-        attn = (torch.arange(width) < lens.unsqueeze(-1)).long()
+        attn = (torch.arange(width) < torch.tensor(lens).unsqueeze(-1)).long()
         positions = (torch.tensor(prompt_lens).unsqueeze(-1) - 1 + torch.arange(resp)).clamp(max=width - 1)
         pos = None
         if any(r.position_ids is not None for r in rollouts):
@@ -137,40 +137,25 @@ class SharedRows:
         sub = exp.rows(index)  # the (B, R) tensors, cut to this micro-batch's response width
         starts, lengths = (exp.positions[:, 0] + 1).tolist(), exp.attention_mask.sum(-1).tolist()
         ids_of = exp.input_ids.tolist()
-        blocks, where = [], {}  # one block per group: its prompt, then each response
-        for members in groups:
+        ids, seg, pos, where = [], [], [], {}  # one block per group: its prompt, then each response
+        for g, members in enumerate(groups):
             p = starts[members[0]]
-            ids, seg, pos = ids_of[members[0]][:p], [0] * p, list(range(p))
+            ids.append(ids_of[members[0]][:p]), seg.append([0] * p), pos.append(list(range(p)))
             for k, i in enumerate(members, start=1):
                 n = lengths[i] - p
-                where[i] = (len(blocks), len(ids), n, p)
-                ids, seg, pos = ids + ids_of[i][p:p + n], seg + [k] * n, pos + list(range(p, p + n))
-            blocks.append((ids, seg, pos))
-        rows, placed = pack_blocks([len(b[0]) for b in blocks])
-        width = max(sum(len(blocks[b][0]) for b in row) for row in rows)
-        ids, seg, group, pos = ([[] for _ in rows] for _ in range(4))
-        for r, row in enumerate(rows):
-            for b in row:
-                ids[r] += blocks[b][0]
-                seg[r] += blocks[b][1]
-                group[r] += [b] * len(blocks[b][0])
-                pos[r] += blocks[b][2]
-        pad = lambda x, v: [r + [v] * (width - len(r)) for r in x]  # noqa: E731
-        seg_t, group_t = torch.tensor(pad(seg, -1)), torch.tensor(pad(group, -1))  # -1: padding
-        # a token sees the earlier tokens of its own group's prompt (segment 0) and of its own response; padding
-        # sees the padding before it (its outputs are never read)
-        same_group = group_t.unsqueeze(1) == group_t.unsqueeze(2)
-        visible = (seg_t.unsqueeze(1) == 0) | (seg_t.unsqueeze(1) == seg_t.unsqueeze(2))
-        allowed = torch.ones(width, width, dtype=torch.bool).tril() & same_group & visible
+                where[i] = (g, len(ids[g]), n, p)
+                ids[g] += ids_of[i][p:p + n]
+                seg[g] += [k] * n
+                pos[g] += range(p, p + n)
+        packing = Packing([len(x) for x in ids])
         # response token j is predicted by the output before it: the prompt's last, then the response's own (past
         # the response, where the mask is 0, the response's last output stands in)
         g, at, n, p = torch.tensor([where[i] for i in index]).unsqueeze(-1).unbind(1)
-        row_of, offset = torch.tensor(placed).unbind(1)
-        block_start = row_of[g] * width + offset[g]  # the block in the flattened rows x T outputs
+        block_start = packing.starts[g]  # in the flattened rows x T outputs
         start = block_start + at
         j = torch.arange(sub.mask.shape[1])
         source = torch.where(j == 0, block_start + p - 1, torch.minimum(start + j - 1, start + n.clamp(min=1) - 1))
-        return SharedRows(torch.tensor(pad(ids, 0)), allowed.unsqueeze(1), torch.tensor(pad(pos, 0)), source,
+        return SharedRows(packing.lay(ids, 0), packing.attention_mask(*packing.segments(seg)), packing.lay(pos, 0), source,
                           sub.targets, sub.mask, sub.sampled_logp)
 
     def to(self, device) -> "SharedRows":
