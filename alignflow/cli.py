@@ -130,6 +130,8 @@ def run(
     until: Annotated[Optional[str], typer.Option(help="run this stage and every stage it needs")] = None,
     only: Annotated[Optional[str], typer.Option(help="run this one stage; its inputs must be published already")] = None,
     summary_json: Annotated[Optional[Path], typer.Option(help="also write the run summary as JSON here")] = None,
+    flow_run: Annotated[bool, typer.Option("--flow-run", help="run the Prefect flow even when every stage is published "
+                                           "(by default such a run is answered without Prefect's temporary server)")] = False,
 ) -> None:
     """Run the config's stage graph: each stage a cached Prefect task running a Ray job."""
     path = config or config_arg
@@ -140,10 +142,19 @@ def run(
     _prefect_defaults()
     _services_up(cfg)  # before Prefect is imported: it reads PREFECT_API_URL once, at import
     try:
-        from alignflow.flows.alignment import check_storage, plan
+        from alignflow.flows import run_record
 
-        plan(cfg, until, only)
-        check_storage(cfg)
+        stages = run_record.plan(cfg, until, only)
+        run_record.check_storage(cfg)
+        if not flow_run and not run_record.prefect_server_configured():
+            inputs = run_record.published_inputs(cfg, only) if only else {}
+            cached = run_record.run_fully_cached(cfg, stages, inputs, lambda msg, *a: typer.echo(msg % a, err=True))
+            if cached is not None:
+                typer.echo("every stage is published: answered without Prefect (no flow run recorded; --flow-run "
+                           "records one)", err=True)
+                reg = cached["registered_model"]
+                _finish_run(cached, summary_json, failed=bool(reg and not reg["promoted"] and cfg.registration.gate.fail))
+                return
     except ConfigError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(BAD_INPUT) from None
@@ -160,10 +171,14 @@ def run(
     if isinstance(result, BaseException):  # failed stages (named, each with the tail of its log), or --only's inputs
         typer.echo(f"error: {result}", err=True)
         raise typer.Exit(BAD_INPUT if isinstance(result, ConfigError) else 1)
+    _finish_run(result, summary_json, failed=state.is_failed())
+
+
+def _finish_run(result: dict, summary_json: Path | None, failed: bool) -> None:
     _print_summary(result)
     if summary_json:
         summary_json.write_text(json.dumps(result, indent=2))
-    if state.is_failed():
+    if failed:
         raise typer.Exit(1)
 
 

@@ -10,13 +10,16 @@ a temporary folder), reading the run summary each time:
   job submission, log streaming, waiting, manifest verification, MLflow calls);
 - job seconds: the Ray job's wall time from submission to its terminal state;
 - stage compute: what the stage itself reports, `time/setup_s` (tokenizer, data, model,
-  DeepSpeed engine) + `time/train_s` (the training loop with its evals and checkpoints);
+  DeepSpeed engine) + `time/train_s` (the training loop with its evals and checkpoints) + `time/final_s`
+  (figures computed after training: a reward model's normalization pass over its data);
 - overhead = task seconds - stage compute: process start and imports in the job, Ray
   job scheduling, publishing (the HF save, the manifest), and the orchestration itself.
-The second run is fully cached: no Ray job, so its time is the flow's own cost plus the
-command's start-up (imports, Prefect's temporary server). The third is the same fully cached run
-as a user types it, with no Ray address given: `alignflow run` would start a private head at its
-first job, and with no job to run it starts none (checked in its log).
+Then `configs/tiny-ppo.yaml` (sft -> rm -> ppo) runs once on the same head, and its stages join the table.
+The second run of the tiny pipeline is fully cached: no Ray job and, with no Prefect server configured, no
+Prefect flow either (`alignflow run` answers it before Prefect's temporary server would start), so its time
+is the command's start-up (imports) and the MLflow record. The third is the same fully cached run as a user
+types it, with no Ray address given (checked in its log: no private head started). Last, the fully cached
+PPO graph as typed, the issue's case, and the same with `--flow-run` (through Prefect's temporary server).
 """
 
 from __future__ import annotations
@@ -31,12 +34,14 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+PPO = "configs/tiny-ppo.yaml"
 sys.path.insert(0, str(ROOT))
 
 
-def run_pipeline(env: dict[str, str], root: str, steps: int, out: Path) -> tuple[dict, float, str]:
-    cmd = [sys.executable, "-m", "alignflow.cli", "run", "configs/tiny.yaml", "--set", f"storage.root={root}",
-           "--set", f"sft.batch.max_steps={steps}", "--summary-json", str(out)]
+def run_pipeline(env: dict[str, str], root: str, steps: int | None, out: Path, config: str = "configs/tiny.yaml",
+                 *extra: str) -> tuple[dict, float, str]:
+    cmd = [sys.executable, "-m", "alignflow.cli", "run", config, "--set", f"storage.root={root}",
+           *(["--set", f"sft.batch.max_steps={steps}"] if steps else []), "--summary-json", str(out), *extra]
     start = time.time()
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     wall = time.time() - start
@@ -62,6 +67,7 @@ def main() -> None:
     try:
         first, first_wall, _ = run_pipeline(env, str(work / "out"), args.steps, work / "first.json")
         second, second_wall, _ = run_pipeline(env, str(work / "out"), args.steps, work / "second.json")
+        ppo, ppo_wall, _ = run_pipeline(env, str(work / "out"), None, work / "ppo.json", PPO)
     finally:
         head.stop()
         remove_home(head)
@@ -70,17 +76,28 @@ def main() -> None:
     third, third_wall, third_log = run_pipeline(embedded, str(work / "out"), args.steps, work / "third.json")
     assert all(s["cached"] for s in third["stages"]), third["stages"]
     head_started = "starting a local Ray head" in third_log
+    # The issue's case: the three-stage PPO graph, fully cached, typed as a user would (no Ray address, no Prefect
+    # server: answered before either would start), and the same through Prefect's temporary server (--flow-run).
+    ppo_cached, ppo_cached_wall, ppo_log = run_pipeline(embedded, str(work / "out"), None, work / "ppo2.json", PPO)
+    assert all(s["cached"] for s in ppo_cached["stages"]) and "answered without Prefect" in ppo_log, ppo_log[-2000:]
+    ppo_flow, ppo_flow_wall, _ = run_pipeline(embedded, str(work / "out"), None, work / "ppo3.json", PPO, "--flow-run")
+    assert all(s["cached"] for s in ppo_flow["stages"])
 
     rows = []
-    for stage in first["stages"]:
-        compute = stage["metrics"]["time/setup_s"] + stage["metrics"]["time/train_s"]
+    for stage in [*first["stages"], *ppo["stages"]]:
+        if stage["cached"]:
+            continue
+        compute = sum(stage["metrics"].get(f"time/{part}_s", 0.0) for part in ("setup", "train", "final"))
         rows.append({"stage": stage["stage"], "task_s": stage["seconds"], "job_s": stage["job_seconds"],
                      "compute_s": compute, "overhead_s": stage["seconds"] - compute,
                      "peak_rss_mib": stage["metrics"].get("memory/peak_rss_mib")})
     cached = [{"stage": s["stage"], "cached": s["cached"], "task_s": s["seconds"]} for s in second["stages"]]
     result = {"ray_head_start_s": ray_start, "first": {"command_s": first_wall, "flow_s": first["seconds"], "stages": rows},
               "cached": {"command_s": second_wall, "flow_s": second["seconds"], "stages": cached},
-              "cached_embedded": {"command_s": third_wall, "flow_s": third["seconds"], "ray_head_started": head_started}}
+              "cached_embedded": {"command_s": third_wall, "flow_s": third["seconds"], "ray_head_started": head_started},
+              "ppo_first": {"command_s": ppo_wall, "flow_s": ppo["seconds"]},
+              "ppo_cached": {"command_s": ppo_cached_wall, "flow_s": ppo_cached["seconds"]},
+              "ppo_cached_flow_run": {"command_s": ppo_flow_wall, "flow_s": ppo_flow["seconds"]}}
     print(f"Ray head start-up: {ray_start:.1f}s")
     print("| stage | task (s) | Ray job (s) | stage compute (s) | overhead (s) | job peak RSS (MiB) |\n|---|---:|---:|---:|---:|---:|")
     for r in rows:
@@ -91,6 +108,8 @@ def main() -> None:
           f"stages cached: {[s['cached'] for s in cached]}")
     print(f"cached re-run, no Ray address given: command {third_wall:.1f}s, flow {third['seconds']:.1f}s, "
           f"Ray head started: {head_started}")
+    print(f"{PPO} first run: command {ppo_wall:.1f}s; fully cached as typed: command {ppo_cached_wall:.1f}s "
+          f"(answered without Prefect); with --flow-run: command {ppo_flow_wall:.1f}s")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
 

@@ -21,11 +21,11 @@ from prefect import flow, get_run_logger
 from prefect.states import Completed, Failed
 
 from alignflow.config import ConfigError, PipelineConfig, load_config
-from alignflow.flows.handoff import eval_table, register
-from alignflow.infra import manifest, ray_jobs, storage
+from alignflow.flows.run_record import check_storage, close_parent, flow_run_name, open_parent, plan, published_inputs
+from alignflow.infra import ray_jobs
 from alignflow.infra.tracking import Tracker
-from alignflow.lineage import published_uri
-from alignflow.tasks.stage import RunContext, StageResult, result_from_manifest, run_stage, stage_key, tracking_settings
+from alignflow.tasks.results import RunContext, StageResult, stage_key, tracking_settings
+from alignflow.tasks.stage import run_stage
 
 RAY_ADDRESS_ENV = "ALIGNFLOW_RAY_ADDRESS"
 POLL_S = 0.2
@@ -53,51 +53,9 @@ def _stop_jobs_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, handler)
 
 
-def check_storage(config: PipelineConfig) -> None:
-    """The storage root can take the run's outputs (bucket exists, folder writable, disk not full): bad input if not."""
-    try:
-        storage.preflight(config.storage.root)
-    except storage.StorageError as exc:
-        raise ConfigError(str(exc)) from None
-
-
-def plan(config: PipelineConfig, until: str | None = None, only: str | None = None) -> list[str]:
-    """The stages this run executes, in dependency order."""
-    if until and only:
-        raise ConfigError("give --until or --only, not both")
-    for flag, name in (("--until", until), ("--only", only)):
-        if name is not None and name not in config.stages:
-            raise ConfigError(f"{flag} {name}: no such stage (stages: {', '.join(config.stages)})")
-    if only:
-        return [only]
-    return config.needed_for(until) if until else config.order()
-
-
-def published_inputs(config: PipelineConfig, stage: str) -> dict[str, StageResult]:
-    """--only: the stage's inputs must be published already; each becomes a result without running."""
-    found, missing = {}, []
-    for up in dict.fromkeys(config.inputs_of(stage).values()):
-        uri = published_uri(config, up)
-        if uri is None:
-            missing.append(up)
-            continue
-        key = uri.rstrip("/").rsplit("/", 1)[-1]
-        found[up] = result_from_manifest(config, up, uri, key, manifest.verify(uri), 0.0, cached=True, run_id=None)
-    if missing:
-        raise ConfigError(f"--only {stage}: its inputs {', '.join(missing)} are not published for this config; run them "
-                          f"first (alignflow run CONFIG --until {missing[0]})")
-    return found
-
-
 def local_cpus(config: PipelineConfig, address: str) -> int | None:
     """CPUs of a head on this machine (shared out between concurrent jobs); None for a remote cluster."""
     return (config.ray.num_cpus or os.cpu_count() or 1) if ray_jobs.is_local_address(address) else None
-
-
-def mermaid(config: PipelineConfig, stages: list[str]) -> str:
-    lines = ["graph LR"] + [f'  {n}["{n} ({config.kind(n).value})"]' for n in stages]
-    lines += [f"  {up} -->|{role}| {n}" for n in stages for role, up in config.inputs_of(n).items() if up in stages]
-    return "\n".join(lines) + "\n"
 
 
 class Scheduler:
@@ -187,15 +145,11 @@ def alignment(config: str = "configs/tiny.yaml", overrides: list[str] | None = N
     check_storage(cfg)
     inputs = published_inputs(cfg, only) if only else {}
     address = ray_address(cfg)  # fails before any MLflow run is opened
+    ray_jobs.prewarm()
     tracker = Tracker(tracking_settings(cfg))
-    for run_id in tracker.fail_stale_runs(cfg.name):
-        log.warning("MLflow run %s was left RUNNING by a flow process that is gone; marked FAILED", run_id)
     flow_run_id = _flow_run_id()
     _name_flow_run(cfg, stages, flow_run_id)
-    tags = {"alignflow.name": cfg.name, "alignflow.config_hash": cfg.config_hash(), "alignflow.stages": ",".join(stages),
-            "prefect.flow_run_id": str(flow_run_id)}
-    parent = tracker.start_parent(cfg.name, tags, {n: cfg.section(n).model_dump(mode="json", by_alias=True) for n in stages})
-    tracker.log_text(parent, mermaid(cfg, stages), "graph.mmd")
+    parent = open_parent(cfg, stages, tracker, flow_run_id, log.warning)
     scheduler = Scheduler(cfg, stages, inputs, RunContext(ray_address=address, parent_run_id=parent, flow_run_id=flow_run_id),
                           local_cpus(cfg, address))
     try:
@@ -209,16 +163,13 @@ def alignment(config: str = "configs/tiny.yaml", overrides: list[str] | None = N
                 raise ConfigError(f"stages failed on bad input: {names}{skipped}; fix it and run again\n{details}")
             raise RuntimeError(f"stages failed: {names}{skipped}; re-run to resume them from their checkpoints\n{details}")
         results = {n: scheduler.results[n] for n in stages}
-        registered = register(cfg, tracker, parent, results)
-        tracker.log_metrics(parent, {f"{n}/{k}": v for n, r in results.items()
-                                     for k, v in r.metrics.items() if k.startswith("eval/") or r.kind == "eval"})
-        tracker.finish(parent, ok=True)
+        out = close_parent(cfg, tracker, parent, results, flow_run_id, started)
     except BaseException:
         tracker.finish(parent, ok=False)
         raise
     for name, r in results.items():
         log.info("%s: %s in %.1fs -> %s", name, "cache hit" if r.cached else "done", r.seconds, r.uri)
-    out = summary(cfg, tracker, parent, results, registered, time.time() - started)
+    registered = out["registered_model"]
     if registered and not registered["promoted"]:
         message = f"not promoted: {registered['gate']}"
         return Failed(message=message, data=out) if cfg.registration.gate.fail else Completed(message=message, name="NotPromoted", data=out)
@@ -229,10 +180,6 @@ def _flow_run_id() -> str | None:
     from prefect.runtime import flow_run
 
     return str(flow_run.id) if flow_run.id else None
-
-
-def flow_run_name(config: PipelineConfig) -> str:
-    return f"{config.name}-{config.config_hash()[:8]}"
 
 
 def _name_flow_run(config: PipelineConfig, stages: list[str], flow_run_id: str | None) -> None:
@@ -249,18 +196,3 @@ def _name_flow_run(config: PipelineConfig, stages: list[str], flow_run_id: str |
                                    tags=sorted({*known, "alignflow", f"pipeline:{config.name}", *(f"stage:{s}" for s in stages)}))
     except Exception as exc:  # noqa: BLE001 - a name is not worth failing a run for
         get_run_logger().warning("could not name the flow run %s: %s", flow_run_id, exc)
-
-
-def summary(config: PipelineConfig, tracker: Tracker, parent: str, results: dict[str, StageResult],
-            registered: dict[str, Any] | None, seconds: float) -> dict[str, Any]:
-    return {
-        "name": config.name,
-        "seconds": seconds,
-        "mlflow": {"tracking_uri": tracker.uri, "parent_run_id": parent, "parent_run": tracker.run_url(parent)},
-        "prefect": {"flow_run_id": _flow_run_id(), "flow_run_name": flow_run_name(config)},
-        "registered_model": registered,
-        "promoted": registered["promoted"] if registered else None,
-        "stages": [r.model_dump() | {"mlflow_run": tracker.run_url(r.mlflow_run_id) if r.mlflow_run_id else None}
-                   for r in results.values()],
-        "eval": {n: eval_table(r) for n, r in results.items() if r.kind == "eval"},
-    }

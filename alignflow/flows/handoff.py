@@ -11,7 +11,7 @@ from typing import Any
 from alignflow.config import GateConfig, PipelineConfig, stable_hash
 from alignflow.infra import storage
 from alignflow.infra.tracking import LINEAGE_TAG, Tracker
-from alignflow.tasks.stage import StageResult
+from alignflow.tasks.results import StageResult
 
 CANDIDATE = "candidate"
 

@@ -9,6 +9,7 @@ environment and never pass through here.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import time
 from dataclasses import dataclass
@@ -55,8 +56,10 @@ def tracking_uri(settings: TrackingSettings) -> str:
 EXPERIMENT_KIND_TAG, EXPERIMENT_KIND = "mlflow.experimentKind", "custom_model_development"
 
 
-def standard_tags() -> dict[str, str]:
-    """MLflow's own run tags, which its UI shows: who ran it, from what, at which git commit of the project."""
+@functools.lru_cache(maxsize=1)
+def _standard_tags() -> tuple[tuple[str, str], ...]:
+    """MLflow's own run tags, which its UI shows: who ran it, from what, at which git commit of the project
+    (asked of git once per process, not once per run)."""
     import getpass
     import subprocess
     import sys
@@ -69,7 +72,11 @@ def standard_tags() -> dict[str, str]:
             tags["mlflow.source.git.commit"] = commit.stdout.strip()
     except (OSError, subprocess.TimeoutExpired):
         pass  # no git: no commit tag
-    return tags
+    return tuple(tags.items())
+
+
+def standard_tags() -> dict[str, str]:
+    return dict(_standard_tags())
 
 
 _SET_UP: set[str] = set()  # sqlite stores this process has seen set up

@@ -18,50 +18,17 @@ import time
 from typing import Any
 
 from prefect import get_run_logger, task
-from pydantic import BaseModel
 
 from alignflow.config import PipelineConfig, dump_config
 from alignflow.infra import lease, manifest, ray_jobs, secrets, services, storage
-from alignflow.infra.tracking import RUN_ID_ENV, Tracker, TrackingSettings
-from alignflow.lineage import stage_cache_key, stage_output_uri
+from alignflow.infra.tracking import RUN_ID_ENV, Tracker
+from alignflow.lineage import stage_output_uri
+from alignflow.tasks.results import (RunContext, StageResult, cache_hit, child_tags, result_from_manifest, stage_params,
+                                     tracking_settings)
 
 # Environment a stage job needs from the caller: credentials (sent apart, see infra/secrets.py), endpoints,
 # caches, test hooks.
 PASSTHROUGH_PREFIXES = ("AWS_", "ALIGNFLOW_", "MLFLOW_S3_", "MLFLOW_TRACKING_", "HF_")
-
-
-class StageResult(BaseModel):
-    stage: str
-    kind: str
-    uri: str
-    cache_key: str
-    digest: str
-    cached: bool
-    seconds: float
-    inputs: dict[str, str] = {}  # input role -> upstream stage name
-    job_seconds: float | None = None
-    job_started_at: float | None = None
-    job_ended_at: float | None = None
-    metrics: dict[str, float] = {}
-    mlflow_run_id: str | None = None
-    source_run_id: str | None = None
-    ray_job_id: str | None = None
-
-
-class RunContext(BaseModel):
-    ray_address: str
-    parent_run_id: str
-    flow_run_id: str | None = None
-    threads: int | None = None  # torch threads of a job that trains in its own process (shared-out local CPUs)
-
-
-def tracking_settings(config: PipelineConfig) -> TrackingSettings:
-    return TrackingSettings(uri=config.tracking.uri, experiment=config.tracking.experiment, storage_root=config.storage.root,
-                            artifact_location=config.tracking.artifact_location)
-
-
-def stage_key(config: PipelineConfig, stage: str, upstream: dict[str, StageResult]) -> str:
-    return stage_cache_key(config, stage, {role: r.digest for role, r in upstream.items()})
 
 
 def prefect_cache_key(context: Any, params: dict[str, Any]) -> str | None:
@@ -95,15 +62,6 @@ def _task_run_name() -> str:
     from prefect.runtime import task_run
 
     return str(task_run.parameters["stage"])
-
-
-def child_tags(config: PipelineConfig, stage: str) -> dict[str, str]:
-    inputs = config.inputs_of(stage)
-    return {"alignflow.kind": config.kind(stage).value, "alignflow.inputs": ", ".join(f"{r}={s}" for r, s in inputs.items())}
-
-
-def stage_params(config: PipelineConfig, stage: str) -> dict:
-    return {stage: config.section(stage).model_dump(mode="json", by_alias=True)}
 
 
 @task(name="stage", task_run_name=_task_run_name, cache_key_fn=prefect_cache_key, persist_result=True,
@@ -168,9 +126,7 @@ def _run_or_reuse(config: PipelineConfig, stage: str, key: str, upstream: dict[s
 
 def _cache_hit(config: PipelineConfig, stage: str, key: str, uri: str, done: manifest.Manifest, tracker: Tracker,
                ctx: RunContext, start: float) -> StageResult:
-    run_id = tracker.record_cache_hit(ctx.parent_run_id, stage, key, ctx.flow_run_id, {**done.meta, "uri": uri},
-                                      stage_params(config, stage), child_tags(config, stage))
-    return result_from_manifest(config, stage, uri, key, done, time.time() - start, cached=True, run_id=run_id)
+    return cache_hit(config, stage, key, uri, done, tracker, ctx.parent_run_id, ctx.flow_run_id, start)
 
 
 def _run_job(config: PipelineConfig, stage: str, key: str, uri: str, upstream: dict[str, StageResult], run_id: str,
@@ -208,11 +164,3 @@ def _with_saved_log(exc: ray_jobs.StageJobError, log_uri: str) -> ray_jobs.Stage
     except Exception as write_error:  # the failure matters more than its log
         return ray_jobs.StageJobError(f"{exc}\n(the full log could not be saved to {log_uri}: {write_error})", exc.retryable, exc.job_id)
     return ray_jobs.StageJobError(f"{exc}\nfull log: {log_uri}", exc.retryable, exc.job_id)
-
-
-def result_from_manifest(config: PipelineConfig, stage: str, uri: str, key: str, published: manifest.Manifest,
-                         seconds: float, cached: bool, run_id: str | None) -> StageResult:
-    metrics = {k: float(v) for k, v in (published.meta.get("metrics") or {}).items()}
-    return StageResult(stage=stage, kind=config.kind(stage).value, uri=uri, cache_key=key, digest=published.digest,
-                       cached=cached, seconds=seconds, inputs=config.inputs_of(stage), metrics=metrics,
-                       mlflow_run_id=run_id, source_run_id=published.meta.get("mlflow_run_id"))

@@ -93,7 +93,8 @@ def test_compare_graph_runs_branches_at_once_and_a_failed_branch_fails_only_itse
     summary = json.loads(out.read_text())
     stages = {s["stage"]: s for s in summary["stages"]}
     branches = [stages[n] for n in ("dpo", "ipo", "kto")]
-    assert max(s["job_started_at"] for s in branches) < min(s["job_ended_at"] for s in branches)  # all three ran at once
+    assert max(s["job_started_at"] for s in branches) < min(s["job_ended_at"] for s in branches), (  # all three ran at once
+        [(s["stage"], s["job_started_at"], s["job_ended_at"], s["seconds"]) for s in branches], proc.stderr[-6000:])
     assert set(summary["eval"]["eval"]) == {"sft", "dpo", "ipo", "kto"}
     assert stages["ipo"]["cache_key"] != stages["dpo"]["cache_key"]
     reg = summary["registered_model"]  # sqlite tracking x local storage
@@ -118,12 +119,27 @@ def test_compare_graph_runs_branches_at_once_and_a_failed_branch_fails_only_itse
     published = [k for k in new_kto if storage.exists(str(root / "kto" / k / "MANIFEST.json"))]
     assert len(published) == 1  # the kto sibling (5 steps) published; the broken stage did not
 
-    # Without the session's services again, every stage it needs published: cache hits only, and no Ray head is
-    # started for them. (Last: Prefect keeps the results of cache hits, and the run above is checked for its own.)
+    # Without the session's services again, every stage it needs published: cache hits only, answered before
+    # Prefect's temporary server or a Ray head would start, and recorded in MLflow as the flow records them.
     again = run("--until", "ipo", "--summary-json", str(tmp_path / "again.json"))
-    assert again.returncode == 0 and "starting a local Ray head" not in again.stderr, again.stdout[-4000:] + again.stderr[-4000:]
-    assert [(s["stage"], s["cached"]) for s in json.loads((tmp_path / "again.json").read_text())["stages"]] == [
-        ("sft", True), ("ipo", True)]
+    text = again.stdout + again.stderr
+    assert again.returncode == 0 and "starting a local Ray head" not in text, text[-4000:]
+    assert "answered without Prefect" in again.stderr and "Starting temporary server" not in text, text[-4000:]
+    cached = json.loads((tmp_path / "again.json").read_text())
+    assert [(s["stage"], s["cached"]) for s in cached["stages"]] == [("sft", True), ("ipo", True)]
+    from mlflow import MlflowClient
+
+    client = MlflowClient(cached["mlflow"]["tracking_uri"])
+    parent = client.get_run(cached["mlflow"]["parent_run_id"])
+    assert parent.info.status == "FINISHED" and parent.data.tags["alignflow.prefect"].startswith("no flow run")
+    for stage in cached["stages"]:
+        hit = client.get_run(stage["mlflow_run_id"]).data.tags
+        assert hit["mlflow.parentRunId"] == parent.info.run_id and hit["alignflow.cache_hit"] == "true"
+        assert hit["alignflow.source_run_id"] == stages[stage["stage"]]["mlflow_run_id"]  # the run that trained it
+    # --flow-run: the same answer through Prefect (its temporary server), for a run that must show in its UI.
+    flowed = run("--until", "ipo", "--flow-run")
+    assert flowed.returncode == 0 and "answered without Prefect" not in flowed.stderr, flowed.stderr[-4000:]
+    assert "ipo: cache hit in" in flowed.stdout + flowed.stderr and "Starting temporary server" in flowed.stderr
 
 
 

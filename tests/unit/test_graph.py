@@ -136,7 +136,7 @@ def test_cache_key_ignores_stage_names_and_neighbours(tmp_path):
 
 
 def test_until_and_only_pick_stages():
-    from alignflow.flows.alignment import plan
+    from alignflow.flows.run_record import plan
 
     tulu = load_config(TULU)
     assert plan(tulu) == ["sft", "dpo", "grpo", "eval"]
@@ -174,7 +174,7 @@ def test_prefect_yaml_deploys_every_shipped_graph_by_path():
 
 
 def test_only_needs_published_inputs_and_names_the_missing(tmp_path):
-    from alignflow.flows.alignment import published_inputs
+    from alignflow.flows.run_record import published_inputs
 
     cfg = load_config(TULU, [f"storage.root={tmp_path}"])
     with pytest.raises(ConfigError, match="--only grpo: its inputs dpo are not published for this config; run them first "
@@ -203,7 +203,7 @@ def test_job_exit_code_for_bad_input_is_the_one_the_task_reads():
 
 
 def test_graph_as_mermaid():
-    from alignflow.flows.alignment import mermaid
+    from alignflow.flows.run_record import mermaid
 
     text = mermaid(load_config(TULU), ["sft", "dpo", "grpo"])
     assert 'grpo["grpo (rl)"]' in text and "dpo -->|from| grpo" in text and "eval" not in text
@@ -217,3 +217,30 @@ def test_a_stage_module_imports_first_in_a_fresh_process(module):
 
     proc = subprocess.run([sys.executable, "-c", f"import {module}"], capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_a_prefect_server_is_found_wherever_prefect_reads_its_url(tmp_path, monkeypatch):
+    """The fully cached fast path is taken only where the flow would start Prefect's temporary server."""
+    from alignflow.flows.run_record import prefect_server_configured
+
+    for name in ("PREFECT_API_URL", "PREFECT_PROFILE", "PREFECT_PROFILES_PATH"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("PREFECT_HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    assert not prefect_server_configured()  # nothing anywhere: the temporary server
+    monkeypatch.setenv("PREFECT_API_URL", "http://127.0.0.1:4200/api")
+    assert prefect_server_configured()
+    monkeypatch.delenv("PREFECT_API_URL")
+    (tmp_path / "home").mkdir()
+    profiles = tmp_path / "home" / "profiles.toml"
+    profiles.write_text('active = "local"\n[profiles.local]\nPREFECT_API_URL = "http://h:4200/api"\n[profiles.ephemeral]\n')
+    assert prefect_server_configured()
+    monkeypatch.setenv("PREFECT_PROFILE", "ephemeral")
+    assert not prefect_server_configured()
+    for name, text in (("prefect.toml", '[api]\nurl = "http://h:4200/api"\n'),
+                       ("pyproject.toml", '[tool.prefect.api]\nurl = "http://h:4200/api"\n'),
+                       (".env", "PREFECT_API_URL=http://h:4200/api\n"), ("prefect.toml", "[api\n")):  # unreadable: the flow
+        (tmp_path / name).write_text(text)
+        assert prefect_server_configured(), name
+        (tmp_path / name).unlink()
+    assert not prefect_server_configured()

@@ -208,6 +208,7 @@ class TrainingRun:
         """HF model + config + metrics + curves + model card, manifest last; artifacts to MLflow.
         `final`: figures computed after training (they join the summary and MLflow)."""
         trainer, name = self.trainer, self.stage
+        self.timings["time/final_s"] = self.clock.lap()  # the stage's own figures after training (`final`)
         rows = {part: describe_rows(stats) for part, stats in data_stats.items() if stats.get("read")}
         final = {**(final or {}), **row_metrics(data_stats)}
         self.tracking.log_metrics(self.total_steps, final)
