@@ -145,8 +145,8 @@ def alignment(config: str = "configs/tiny.yaml", overrides: list[str] | None = N
     check_storage(cfg)
     inputs = published_inputs(cfg, only) if only else {}
     address = ray_address(cfg)  # fails before any MLflow run is opened
-    ray_jobs.prewarm()
     tracker = Tracker(tracking_settings(cfg))
+    ray_jobs.prewarm()  # after MLflow's import: the two share modules that must not be imported by two threads at once
     flow_run_id = _flow_run_id()
     _name_flow_run(cfg, stages, flow_run_id)
     parent = open_parent(cfg, stages, tracker, flow_run_id, log.warning)

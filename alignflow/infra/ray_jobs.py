@@ -64,7 +64,7 @@ def client(address: str):
 
 
 def prewarm() -> None:
-    """Import Ray's job client (0.8 s) in the background while the flow opens its runs, not in the first job's way."""
+    """Import Ray's job client (0.8 s) in the background while the flow opens its runs and starts its tasks."""
     threading.Thread(target=importlib.import_module, args=("ray.job_submission",), daemon=True).start()
 
 
