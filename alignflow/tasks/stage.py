@@ -102,14 +102,14 @@ def _run_or_reuse(config: PipelineConfig, stage: str, key: str, upstream: dict[s
                     "checkpoint)", stage, problem)
     if done is not None:
         log.info("%s: cache hit at %s (no Ray job)", stage, uri)
-        return _cache_hit(config, stage, key, uri, done, tracker, ctx, start)
+        return cache_hit(config, stage, key, uri, done, tracker, ctx.parent_run_id, ctx.flow_run_id, start)
     held = lease.acquire(uri, config.ray.lease_timeout_s, config.ray.wait_for_running_stage,
                          on_wait=lambda holder: log.info("%s: another run is writing %s (%s); waiting for it", stage, uri, holder))
     try:
         done = manifest.verify(uri)
         if done is not None:
             log.info("%s: published by the run it waited for, at %s (no Ray job)", stage, uri)
-            return _cache_hit(config, stage, key, uri, done, tracker, ctx, start)
+            return cache_hit(config, stage, key, uri, done, tracker, ctx.parent_run_id, ctx.flow_run_id, start)
         run_id = tracker.start_child(ctx.parent_run_id, stage, key, ctx.flow_run_id, stage_params(config, stage), child_tags(config, stage))
         try:
             outcome, published = _run_job(config, stage, key, uri, upstream, run_id, tracker, ctx, held)
@@ -122,11 +122,6 @@ def _run_or_reuse(config: PipelineConfig, stage: str, key: str, upstream: dict[s
     result = result_from_manifest(config, stage, uri, key, published, time.time() - start, cached=False, run_id=run_id)
     return result.model_copy(update={"job_seconds": outcome.seconds, "ray_job_id": outcome.job_id,
                                      "job_started_at": outcome.started_at, "job_ended_at": outcome.ended_at})
-
-
-def _cache_hit(config: PipelineConfig, stage: str, key: str, uri: str, done: manifest.Manifest, tracker: Tracker,
-               ctx: RunContext, start: float) -> StageResult:
-    return cache_hit(config, stage, key, uri, done, tracker, ctx.parent_run_id, ctx.flow_run_id, start)
 
 
 def _run_job(config: PipelineConfig, stage: str, key: str, uri: str, upstream: dict[str, StageResult], run_id: str,

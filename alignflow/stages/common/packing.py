@@ -33,11 +33,12 @@ def pack_blocks(lengths: list[int]) -> tuple[list[list[int]], list[tuple[int, in
 class Packing:
     """Where each block of the given lengths goes: `lay` turns per-block token lists into (R, T) tensors (built from
     Python lists, one tensor each: per-token tensor writes cost milliseconds a step on the tiny model), `starts` are
-    the flat indices (into R x T) of each block's first token."""
+    the flat indices (into R x T) of each block's first token, `offsets` where it starts in its row."""
 
     def __init__(self, lengths: list[int]):
         self.rows, placed = pack_blocks(lengths)
         self.width = max(sum(lengths[b] for b in row) for row in self.rows)
+        self.offsets = [at for _, at in placed]
         self.starts = torch.tensor([r * self.width + at for r, at in placed])
 
     def lay(self, per_block: list[list[int]], fill: int) -> torch.Tensor:

@@ -58,7 +58,7 @@ class PairBatch:
 def collate_pairs(pairs: list[Pair], pad_id: int) -> PairBatch:
     packing = Packing([len(p) for p in pairs])
     ids, pos, source, segments = [], [], [], []
-    for pair, at in zip(pairs, (packing.starts % packing.width).tolist()):
+    for pair, at in zip(pairs, packing.offsets):
         p, c, n = pair.prompt_len, len(pair.chosen) - pair.prompt_len, len(pair)
         ids.append(pair.chosen.input_ids + pair.rejected.input_ids[p:])
         pos.append([*range(p + c), *range(p, n - c)])

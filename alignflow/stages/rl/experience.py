@@ -140,7 +140,9 @@ class SharedRows:
         ids, seg, pos, where = [], [], [], {}  # one block per group: its prompt, then each response
         for g, members in enumerate(groups):
             p = starts[members[0]]
-            ids.append(ids_of[members[0]][:p]), seg.append([0] * p), pos.append(list(range(p)))
+            ids.append(ids_of[members[0]][:p])
+            seg.append([0] * p)
+            pos.append(list(range(p)))
             for k, i in enumerate(members, start=1):
                 n = lengths[i] - p
                 where[i] = (g, len(ids[g]), n, p)
