@@ -82,7 +82,7 @@ def run_job(
     timeout_s: float,
     on_log: Callable[[str], None],
     on_submit: Callable[[str], None] = lambda job_id: None,
-    poll_s: float = 0.25,
+    poll_s: float = 0.1,
     log_every_s: float = 1.0,
 ) -> JobOutcome:
     """Submit, stream new log lines to `on_log`, and wait. The job is stopped if this call

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
@@ -122,6 +123,8 @@ def with_lora(model: torch.nn.Module, lora: LoraConfig | None, reward: bool = Fa
 
 
 def is_lora(model: torch.nn.Module) -> bool:
+    if "peft" not in sys.modules:  # no PEFT model can exist before PEFT is imported (0.3 s)
+        return False
     from peft import PeftModel
 
     return isinstance(model, PeftModel)

@@ -124,6 +124,7 @@ def plot_curves(history: list[dict[str, float]], keys: list[str], path: Path) ->
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     keys = [k for k in keys if any(k in r for r in history)]
     fig, axes = plt.subplots(1, max(1, len(keys)), figsize=(4 * max(1, len(keys)), 3), squeeze=False)
@@ -132,7 +133,11 @@ def plot_curves(history: list[dict[str, float]], keys: list[str], path: Path) ->
         ax.plot([p[0] for p in points], [p[1] for p in points], marker="." if len(points) < 30 else None)
         ax.set_title(key)
         ax.set_xlabel("step")
-    fig.tight_layout()
+        for axis in (ax.xaxis, ax.yaxis):  # ticks and their labels are most of a panel's drawing time
+            axis.set_major_locator(MaxNLocator(4))
+    # Fixed margins: tight_layout measures every label first, a second full draw (0.2 s of a stage's publish).
+    fig.subplots_adjust(left=0.6 / fig.get_figwidth(), right=1 - 0.15 / fig.get_figwidth(), bottom=0.17, top=0.88,
+                        wspace=0.3)
     fig.savefig(path, dpi=80)
     plt.close(fig)
     return path
