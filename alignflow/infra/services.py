@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
+from alignflow.infra import warm
 from alignflow.infra.ports import free_port, free_ports
 from alignflow.infra.ray_jobs import ON_DEMAND
 from alignflow.infra.secrets import without_secrets
@@ -190,10 +191,30 @@ def start_ray_head(num_cpus: int | None = None, base: str | None = None, timeout
            # writes one), and then our Jobs API client and health checks would be refused. The mode is set
            # explicitly instead; set RAY_AUTH_MODE=token (with RAY_AUTH_TOKEN) to run the head with auth.
            "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled")}
+    server = _start_warm_server(home, env) if warm.available() else None
+    if server is not None:
+        env[warm.SOCKET_ENV] = str(home / "warm.sock")  # every job inherits it: its entry point hands itself over
     # No credentials on the head: its jobs get them from each run (infra/secrets.py), so a head started once
     # (`alignflow services up`) holds none, and none can leak into its logs.
-    return _launch("ray", cmd, home, env, f"http://127.0.0.1:{dashboard}", ["/api/version", "/api/jobs/"], timeout,
-                   credentials=False)
+    try:
+        head = _launch("ray", cmd, home, env, f"http://127.0.0.1:{dashboard}", ["/api/version", "/api/jobs/"], timeout,
+                       credentials=False)
+    except BaseException:
+        if server is not None:
+            server.kill()
+        raise
+    if server is not None:
+        warm.bind(lifeline=str(home / "warm.head"), pid=head.pid)
+    return head
+
+
+def _start_warm_server(home: Path, head_env: dict[str, str]) -> subprocess.Popen:
+    """The head's warm stage server (infra/warm.py), importing while the head starts. Its environment is the
+    one Ray gives a job before the job's own variables: the head's, with Ray's OMP_NUM_THREADS=1."""
+    env = {**without_secrets(dict(os.environ)), **head_env, "PYTHONUNBUFFERED": "1"}
+    env.setdefault("OMP_NUM_THREADS", "1")
+    # Its command line names the head's folder: stopping the head stops it (stop_process_tree).
+    return warm.launch(socket_path=str(home / "warm.sock"), lifeline=str(home / "warm.head"), env=env, log=str(home / "warm.log"))
 
 
 class OnDemandHead:

@@ -5,8 +5,6 @@ import os
 import sys
 import threading
 
-from alignflow.stages.common.entry import run_stage_cli
-
 
 def exit_now(code: int) -> None:
     """Exit once the stage has returned, as the interpreter would (threads joined, atexit handlers run: Ray's
@@ -27,4 +25,9 @@ def exit_now(code: int) -> None:
 
 
 if __name__ == "__main__":
+    from alignflow.infra import warm
+
+    warm.delegate(sys.argv[1:])  # a fork of the head's warm stage server runs the job, if there is one
+    from alignflow.stages.common.entry import run_stage_cli
+
     exit_now(run_stage_cli())

@@ -43,6 +43,7 @@ def test_run_then_rerun_is_fully_cached(services, tmp_path):
     assert rows["data/train/read"] == rows["data/train/used"] > 0 and rows["data/train/skipped"] == 0, rows
     n = f"{rows['data/train/read']:.0f}"
     assert f"{n} rows read, {n} used" in " ".join((first.stdout + first.stderr).split())  # the job's console line, in Prefect's log
+    assert "forked from the warm stage server" in first.stdout + first.stderr  # the head's warm server ran the job (infra/warm.py)
 
     with urllib.request.urlopen(f"{services['prefect']}/flow_runs/{summary['prefect']['flow_run_id']}", timeout=10) as r:
         flow_run = json.loads(r.read())
