@@ -12,8 +12,11 @@ a temporary folder), reading the run summary each time:
 - stage compute: what the stage itself reports, `time/setup_s` (tokenizer, data, model,
   DeepSpeed engine) + `time/train_s` (the training loop with its evals and checkpoints) + `time/final_s`
   (figures computed after training: a reward model's normalization pass over its data);
-- overhead = task seconds - stage compute: process start and imports in the job, Ray
-  job scheduling, publishing (the HF save, the manifest), and the orchestration itself.
+- overhead = task seconds - stage compute: process start and imports in the job (a fork of the head's warm
+  stage server, infra/warm.py, on a head alignflow starts: the benchmark's is one), Ray job scheduling,
+  publishing (the curves, the HF save, the manifest), and the orchestration itself.
+It also counts the stage jobs that say they were forked from the warm server, and prints any that started fresh
+with the reason they gave.
 Then `configs/tiny-ppo.yaml` (sft -> rm -> ppo) runs once on the same head, and its stages join the table.
 The second run of the tiny pipeline is fully cached: no Ray job and, with no Prefect server configured, no
 Prefect flow either (`alignflow run` answers it before Prefect's temporary server would start), so its time
@@ -67,9 +70,9 @@ def main() -> None:
     env = {**os.environ, "ALIGNFLOW_RAY_ADDRESS": head.url, "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
            "PREFECT_HOME": str(work / "prefect")}
     try:
-        first, first_wall, _ = run_pipeline(env, str(work / "out"), args.steps, work / "first.json")
+        first, first_wall, first_log = run_pipeline(env, str(work / "out"), args.steps, work / "first.json")
         second, second_wall, _ = run_pipeline(env, str(work / "out"), args.steps, work / "second.json")
-        ppo, ppo_wall, _ = run_pipeline(env, str(work / "out"), None, work / "ppo.json", PPO)
+        ppo, ppo_wall, ppo_log = run_pipeline(env, str(work / "out"), None, work / "ppo.json", PPO)
     finally:
         head.stop()
         remove_home(head)
@@ -82,13 +85,16 @@ def main() -> None:
     # server: answered before either would start), and the same through Prefect's temporary server (--flow-run).
     walls = []
     for _ in range(args.repeat):
-        ppo_cached, wall, ppo_log = run_pipeline(embedded, str(work / "out"), None, work / "ppo2.json", PPO)
-        assert all(s["cached"] for s in ppo_cached["stages"]) and "answered without Prefect" in ppo_log, ppo_log[-2000:]
+        ppo_cached, wall, cached_log = run_pipeline(embedded, str(work / "out"), None, work / "ppo2.json", PPO)
+        assert all(s["cached"] for s in ppo_cached["stages"]) and "answered without Prefect" in cached_log, cached_log[-2000:]
         walls.append(wall)
     ppo_cached_wall = statistics.median(walls)
     ppo_flow, ppo_flow_wall, _ = run_pipeline(embedded, str(work / "out"), None, work / "ppo3.json", PPO, "--flow-run")
     assert all(s["cached"] for s in ppo_flow["stages"])
 
+    # Each stage job says how its process started (infra/warm.py): forked from the head's warm server, or fresh.
+    forked = sum(log.count("forked from the warm stage server") for log in (first_log, ppo_log))
+    fresh = [line for log in (first_log, ppo_log) for line in log.splitlines() if "starting the stage process fresh" in line]
     rows = []
     for stage in [*first["stages"], *ppo["stages"]]:
         if stage["cached"]:
@@ -98,13 +104,15 @@ def main() -> None:
                      "compute_s": compute, "overhead_s": stage["seconds"] - compute,
                      "peak_rss_mib": stage["metrics"].get("memory/peak_rss_mib")})
     cached = [{"stage": s["stage"], "cached": s["cached"], "task_s": s["seconds"]} for s in second["stages"]]
-    result = {"ray_head_start_s": ray_start, "first": {"command_s": first_wall, "flow_s": first["seconds"], "stages": rows},
+    result = {"ray_head_start_s": ray_start, "jobs_forked": forked, "jobs_fresh": fresh, "first": {"command_s": first_wall, "flow_s": first["seconds"], "stages": rows},
               "cached": {"command_s": second_wall, "flow_s": second["seconds"], "stages": cached},
               "cached_embedded": {"command_s": third_wall, "flow_s": third["seconds"], "ray_head_started": head_started},
               "ppo_first": {"command_s": ppo_wall, "flow_s": ppo["seconds"]},
               "ppo_cached": {"command_s": ppo_cached_wall, "command_s_each": walls, "flow_s": ppo_cached["seconds"]},
               "ppo_cached_flow_run": {"command_s": ppo_flow_wall, "flow_s": ppo_flow["seconds"]}}
-    print(f"Ray head start-up: {ray_start:.1f}s")
+    print(f"Ray head start-up: {ray_start:.1f}s; stage jobs forked from the warm server: {forked}, started fresh: {len(fresh)}")
+    for line in fresh:
+        print(f"  {line.strip()[-300:]}")
     print("| stage | task (s) | Ray job (s) | stage compute (s) | overhead (s) | job peak RSS (MiB) |\n|---|---:|---:|---:|---:|---:|")
     for r in rows:
         print(f"| {r['stage']} | {r['task_s']:.1f} | {r['job_s']:.1f} | {r['compute_s']:.1f} | {r['overhead_s']:.1f} "
