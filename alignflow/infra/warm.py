@@ -46,7 +46,7 @@ FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signa
 
 def available() -> bool:
     """Not where a GPU is visible (checked without importing torch): CUDA is never initialised before a fork."""
-    return not any(name.startswith("nvidia") for name in _listdir("/dev")) and sys.platform == "linux"
+    return sys.platform == "linux" and not any(name.startswith("nvidia") for name in os.listdir("/dev"))
 
 
 def launch(*, socket_path: str, lifeline: str, env: dict[str, str], log: str) -> subprocess.Popen:
@@ -67,13 +67,6 @@ def bind(*, lifeline: str, pid: int) -> None:
     with open(lifeline + ".new", "w") as f:
         f.write(str(pid))
     os.replace(lifeline + ".new", lifeline)
-
-
-def _listdir(path: str) -> list[str]:
-    try:
-        return os.listdir(path)
-    except OSError:
-        return []
 
 
 # ----------------------------------------------------------------------------------------------------- the client
@@ -142,10 +135,7 @@ def _starting(path: str) -> bool:
 def _read_reply(conn: socket.socket) -> dict:
     data = b""
     while not data.endswith(b"\n"):
-        try:
-            chunk = conn.recv(4096)
-        except InterruptedError:
-            continue
+        chunk = conn.recv(4096)  # a signal handler runs, and the call resumes (PEP 475)
         if not chunk:
             return {}
         data += chunk
@@ -311,7 +301,7 @@ class _Lifeline:
             try:
                 self.pid = int(open(self.pid_file).read())
             except (OSError, ValueError):
-                return _exists(self.parent) and os.getppid() == self.parent
+                return os.getppid() == self.parent  # an orphan is adopted by another process
         return _exists(self.pid)
 
 
