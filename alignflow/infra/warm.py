@@ -35,7 +35,8 @@ if TYPE_CHECKING:
 SOCKET_ENV = "ALIGNFLOW_WARM_SOCKET"
 PRELOAD = ("alignflow.stages.common.entry", *(f"alignflow.stages.{kind}.stage" for kind in
            ("sft", "rm", "dpo", "kto", "rl", "eval", "generate", "label", "select")),
-           "transformers", "transformers.models.auto.modeling_auto", "mlflow", "mlflow.tracking", "matplotlib.pyplot")
+           "transformers", "transformers.models.auto.modeling_auto", "mlflow", "mlflow.tracking", "matplotlib.pyplot",
+           "matplotlib.backends.backend_agg")
 # Read by native libraries when they load (OpenMP, MKL, the allocator, the loader) or by the interpreter at start:
 # a job whose value differs is started fresh.
 NATIVE_PREFIXES = ("OMP_", "MKL_", "KMP_", "GOMP_", "OPENBLAS_", "LD_", "MALLOC_", "CUDA", "NVIDIA_", "TORCH", "PYTORCH")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,8 @@ def save_hf_model(strategy: Strategy, tokenizer, folder: Path) -> None:
 
 
 ADAPTER_DIR = "adapter"
+# A stage's files beside its model, by name; a Future is one still being made in a thread (the curves).
+Files = dict[str, "str | bytes | Future[bytes]"]
 
 
 # Keys transformers 5 writes that only it reads; the rest of a serving stack may run older versions.
@@ -67,7 +70,7 @@ def publish(
     tokenizer,
     stage_uri: str,
     staging: Path,
-    files: dict[str, str | bytes],
+    files: Files,
     meta: dict[str, Any],
 ) -> tuple[manifest.Manifest | None, Path]:
     """Write model/ plus the given files, upload when remote, and write MANIFEST.json last.
@@ -92,9 +95,10 @@ def publish_dir(stage_uri: str, staging: Path) -> Path:
     return storage.local_path(stage_uri) if storage.is_local(stage_uri) else staging / "publish"
 
 
-def finish_publish(stage_uri: str, local: Path, files: dict[str, str | bytes], meta: dict[str, Any]) -> manifest.Manifest:
+def finish_publish(stage_uri: str, local: Path, files: Files, meta: dict[str, Any]) -> manifest.Manifest:
     """Write `files` next to the model, upload the local folder when storage is remote, manifest last."""
     for name, content in files.items():
+        content = content.result() if isinstance(content, Future) else content  # made in a thread (the curves)
         (local / name).write_bytes(content.encode() if isinstance(content, str) else content)
     if not storage.is_local(stage_uri):
         storage.upload_dir(local, stage_uri)

@@ -9,6 +9,7 @@ functions are the stage's own; cadence of eval, checkpoints and logs is handled 
 from __future__ import annotations
 
 import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
@@ -21,7 +22,7 @@ from alignflow.stages.common.datasets import dataset_file
 from alignflow.stages.common.data import DataError, describe_rows, row_metrics, steps_per_epoch
 from alignflow.stages.common.models import fetch_published_model, parameter_counts, resolve_model_path
 from alignflow.stages.common.progress import MetricsLog, Timer, peak_rss_mib
-from alignflow.stages.common.publish import metrics_json, model_card, publish, training_line
+from alignflow.stages.common.publish import Files, metrics_json, model_card, publish, training_line
 from alignflow.stages.common.strategy import Strategy
 from alignflow.stages.common.tracking import StageTracking, plot_curves
 
@@ -60,7 +61,7 @@ class Trainer(Protocol):
     def latest_checkpoint(self) -> int | None: ...
     def load_checkpoint(self, step: int) -> dict[str, Any]: ...
     def save_checkpoint(self, step: int, state: dict[str, Any]) -> None: ...
-    def publish(self, tokenizer, stage_uri: str, staging: Path, files: dict[str, str | bytes], meta: dict[str, Any]) -> Path: ...
+    def publish(self, tokenizer, stage_uri: str, staging: Path, files: Files, meta: dict[str, Any]) -> Path: ...
     def close(self) -> None: ...
 
 
@@ -79,7 +80,7 @@ class LocalTrainer:
     def save_checkpoint(self, step: int, state: dict[str, Any]) -> None:
         self.checkpoints.save(step, state)
 
-    def publish(self, tokenizer, stage_uri: str, staging: Path, files: dict[str, str | bytes], meta: dict[str, Any]) -> Path:
+    def publish(self, tokenizer, stage_uri: str, staging: Path, files: Files, meta: dict[str, Any]) -> Path:
         return publish(self.strategy, tokenizer, stage_uri, staging, files, meta)[1]
 
     def close(self) -> None:
@@ -216,17 +217,20 @@ class TrainingRun:
         summary = {**self.log.summary(), **final, **self.timings, **self.params}
         first = self.log.history[0] if self.log.history and self.log.history[0]["step"] == 0 else {}
         summary.update({f"{k}_initial": v for k, v in first.items() if k.startswith("eval/")})
-        files: dict[str, str | bytes] = {}
+        files: Files = {}
         if trainer.is_main:
             sources = {src: self.fingerprints[n] for n, src in data_sources(self.section).items()}
             sources.update({uri: self.input_digests[n] for n, uri in self.inputs.items()})
-            plot = plot_curves(self.log.history, curves, self.staging / "curves.png")
+            # Drawn beside the model's save (an actor's, for RL), not after it: 0.2-0.4 s off every stage.
+            drawing = ThreadPoolExecutor(1)
+            plot = drawing.submit(lambda: plot_curves(self.log.history, curves, self.staging / "curves.png").read_bytes())
+            drawing.shutdown(wait=False)  # `finish_publish` waits for the bytes
             files = {
                 "config.yaml": dump_config(self.cfg),
                 "metrics.json": metrics_json(self.log.history, summary, {"data": data_stats, "resumed_from_step": self.start_step or None}),
                 "MODEL_CARD.md": model_card(name, self.base_model_name, sources, self.section.config_hash(), self.key, summary, rows,
                                             training_line(self.section.lora, self.params)),
-                "curves.png": plot.read_bytes(),
+                "curves.png": plot,
             }
         inputs = {**self.fingerprints, **{f"upstream:{n}": {"uri": u, "digest": self.input_digests[n]} for n, u in self.inputs.items()}}
         meta = {"stage": name, "cache_key": self.key, "config_hash": self.section.config_hash(), "inputs": inputs,

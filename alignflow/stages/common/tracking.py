@@ -119,15 +119,14 @@ class StageTracking:
 
 
 def plot_curves(history: list[dict[str, float]], keys: list[str], path: Path) -> Path:
-    """One PNG with a panel per metric against the step."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    """One PNG with a panel per metric against the step. Without pyplot's global state, so it can draw in a
+    thread while the stage saves its model."""
+    from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
 
     keys = [k for k in keys if any(k in r for r in history)]
-    fig, axes = plt.subplots(1, max(1, len(keys)), figsize=(4 * max(1, len(keys)), 3), squeeze=False)
+    fig = Figure(figsize=(4 * max(1, len(keys)), 3))
+    axes = fig.subplots(1, max(1, len(keys)), squeeze=False)
     for ax, key in zip(axes[0], keys):
         points = [(r["step"], r[key]) for r in history if key in r]
         ax.plot([p[0] for p in points], [p[1] for p in points], marker="." if len(points) < 30 else None)
@@ -139,5 +138,4 @@ def plot_curves(history: list[dict[str, float]], keys: list[str], path: Path) ->
     fig.subplots_adjust(left=0.6 / fig.get_figwidth(), right=1 - 0.15 / fig.get_figwidth(), bottom=0.17, top=0.88,
                         wspace=0.3)
     fig.savefig(path, dpi=80)
-    plt.close(fig)
     return path
