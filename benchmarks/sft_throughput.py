@@ -79,6 +79,7 @@ import argparse
 import json
 import os
 import shlex
+import resource
 import shutil
 import statistics
 import subprocess
@@ -209,6 +210,10 @@ def worker_alignflow(args: argparse.Namespace) -> dict[str, Any]:
         return out
 
     stage.train_step = timed_train_step  # main() looks the name up at call time
+    if args.worker == "alignflow-full":  # the lever measured: log-probs from the model's full logits, not the chunked head
+        from lm_head import full_logits_logprobs
+
+        stage.forward_logprobs = full_logits_logprobs
     result = stage.main(cfg, "sft", output_uri=str(Path(args.tmp) / "sft-out"))
     metrics = json.loads((Path(result["uri"]) / "metrics.json").read_text())
     history = [h for h in metrics["history"] if h["step"] >= 1 and "train/step_time_s" in h]
@@ -225,6 +230,7 @@ def worker_alignflow(args: argparse.Namespace) -> dict[str, Any]:
         "threads": torch.get_num_threads(),
         "versions": {"torch": torch.__version__, "deepspeed": deepspeed.__version__},
         "rows_per_step": GLOBAL_BATCH,
+        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     }
 
 
@@ -347,6 +353,7 @@ def worker_trl(args: argparse.Namespace) -> dict[str, Any]:
         "threads": torch.get_num_threads(),
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__, "trl": trl.__version__},
         "rows_per_step": GLOBAL_BATCH,
+        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         **info,
     }
 
@@ -426,7 +433,7 @@ def run_one(args: argparse.Namespace, framework: str, packing: bool, workdir: Pa
         print(f"  failed: {record['error']}", file=sys.stderr, flush=True)
         return record
     result = json.loads(out.read_text())
-    record.update(result=result, summary=summarise(result, args.warmup))
+    record.update(result=result, summary={**summarise(result, args.warmup), "peak_rss_mib": result.get("peak_rss_mib")})
     contention = f", other processes used {record['other_cpu_share']:.0%} of the CPU" if "other_cpu_share" in record else ""
     print(f"  {record['summary']['tokens_per_s']:,.0f} tokens/s ({elapsed:.0f}s in all{contention})", file=sys.stderr, flush=True)
     return record
@@ -435,7 +442,7 @@ def run_one(args: argparse.Namespace, framework: str, packing: bool, workdir: Pa
 def aggregate(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per (framework, packing): the median over repeats of each figure."""
     rows = []
-    for framework in ("alignflow", "trl"):
+    for framework in ("alignflow", "alignflow-full", "trl"):
         for packing in (False, True):
             runs = [r for r in records if r["framework"] == framework and r["packing"] == packing]
             if not runs:
@@ -474,8 +481,8 @@ def markdown(rows: list[dict[str, Any]], args: argparse.Namespace, meta: dict[st
         f"max length {MAX_LEN}, fp32, {args.threads} torch threads, {args.steps} timed steps after {args.warmup} warmup steps"
         + (f", median of {args.repeats} runs" if args.repeats > 1 else "") + (f" ({meta['versions']})" if meta["versions"] else ""),
         "",
-        "| framework | packing | timed steps | tokens/step | tokens/s | vs TRL (same packing) | loop wall (s) | tokens/s (loop wall) | loss first -> last | other CPU load | command |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---|---:|---|",
+        "| framework | packing | timed steps | tokens/step | tokens/s | vs TRL (same packing) | loop wall (s) | tokens/s (loop wall) | loss first -> last | peak RSS (MiB) | other CPU load | command |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---|",
     ]
     for r in rows:
         packing = "on" if r["packing"] else "off"
@@ -488,7 +495,7 @@ def markdown(rows: list[dict[str, Any]], args: argparse.Namespace, meta: dict[st
         lines.append(
             f"| {r['framework']} | {packing} | {r['timed_steps']} | {r['tokens_per_step']:,.0f} | {r['tokens_per_s']:,.0f} | "
             f"{fmt(ratio, '.2f') + 'x' if ratio is not None else 'n/a'} | {r['loop_wall_s']:.2f} | {r['wall_tokens_per_s']:,.0f} | "
-            f"{fmt(r['loss_first'], '.3f')} -> {fmt(r['loss_last'], '.3f')} | {fmt(r['other_cpu_share'], '.0%')} | `{r['command']}` |"
+            f"{fmt(r['loss_first'], '.3f')} -> {fmt(r['loss_last'], '.3f')} | {fmt(r.get('peak_rss_mib'), ',.0f')} | {fmt(r['other_cpu_share'], '.0%')} | `{r['command']}` |"
         )
     a, t = best(rows, "alignflow"), best(rows, "trl")
     lines.append("")
@@ -567,10 +574,11 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=60, help="timed optimizer steps (default 60)")
     p.add_argument("--warmup", type=int, default=5, help="untimed optimizer steps before them (default 5)")
-    p.add_argument("--model", default="builtin:tiny", help="builtin:tiny (default), builtin:small, or a local HF folder")
+    p.add_argument("--model", default="builtin:tiny", help="builtin:tiny (default), builtin:small, builtin:small-32k, or a local HF folder")
     p.add_argument("--json", default=None, metavar="PATH", help="also write all figures and per-step records here")
     p.add_argument("--repeats", type=int, default=1, help="runs per setting, round-robin; the table shows medians")
-    p.add_argument("--frameworks", default="alignflow,trl", help="comma list of alignflow,trl")
+    p.add_argument("--frameworks", default="alignflow,trl",
+                   help="comma list of alignflow,alignflow-full (log-probs from the model's full logits),trl")
     p.add_argument("--packing-modes", default="off,on", help="comma list of off,on")
     p.add_argument("--wait-idle", type=float, default=0, metavar="SECONDS",
                    help="before each run, wait up to this long for other processes to leave the CPU idle (default 0: do not wait)")
@@ -579,7 +587,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data", default=str(DEFAULT_DATA), help=argparse.SUPPRESS)
     p.add_argument("--config", default=str(DEFAULT_CONFIG), help=argparse.SUPPRESS)
     # worker mode (used by the parent)
-    p.add_argument("--worker", choices=["alignflow", "trl"], help=argparse.SUPPRESS)
+    p.add_argument("--worker", choices=["alignflow", "alignflow-full", "trl"], help=argparse.SUPPRESS)
     p.add_argument("--packing", choices=["on", "off"], default="off", help=argparse.SUPPRESS)
     p.add_argument("--tmp", help=argparse.SUPPRESS)
     p.add_argument("--worker-out", help=argparse.SUPPRESS)
@@ -592,7 +600,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker is None:
         return parent(args)
     args.packing = args.packing == "on"
-    result = (worker_alignflow if args.worker == "alignflow" else worker_trl)(args)
+    result = (worker_trl if args.worker == "trl" else worker_alignflow)(args)
     Path(args.worker_out).write_text(json.dumps(result))
     return 0
 

@@ -39,7 +39,7 @@ class Frozen(BaseModel):
 
 
 class ModelConfig(Frozen):
-    name_or_path: str | None = Field(None, description="`builtin:tiny`, `builtin:small`, a local HF folder, or a hub name; "
+    name_or_path: str | None = Field(None, description="`builtin:tiny`, `builtin:small`, `builtin:small-32k`, a local HF folder, or a hub name; "
                                                        "unset: the model of the stage named by `from:`.")
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="Dtype the weights are loaded and trained in.")
     attn_implementation: Literal["sdpa", "eager"] = "sdpa"

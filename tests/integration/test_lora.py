@@ -82,7 +82,7 @@ def test_published_adapter_on_the_base_gives_the_merged_models_logits(lora_dpo, 
         want, got = merged(input_ids=ids).logits, adapted(input_ids=ids).logits
         with adapted.disable_adapter():
             before = adapted(input_ids=ids).logits
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)  # fp32: W + BA merged vs applied apart
     assert (before - want).abs().max() > 1e-2  # the adapter changed the model: the check above can fail
 
 

@@ -21,6 +21,17 @@ def test_tokenizer_round_trips_text_and_has_chat_template(tokenizer):
     assert tokenizer.eos_token == "<|end|>" and tokenizer.pad_token_id != tokenizer.eos_token_id
 
 
+
+def test_the_large_vocabulary_preset_tokenizes_as_small_and_only_pads_the_vocabulary(tokenizer):
+    from alignflow.stages.common.builtin_model import build_tokenizer, vocabulary
+
+    big = build_tokenizer(BUILTINS["small-32k"].vocab_size)
+    assert len(big) == len(vocabulary(32768)) == 32768
+    text = "rev Hello, World!\n 12+34=46 <|reserved_7|>"  # a reserved token's spelling is still characters
+    assert big(text)["input_ids"] == tokenizer(text)["input_ids"]
+    # the presets without it keep the spec they were built under, so their cached folders stay valid
+    assert "vocab_size" not in BUILTINS["small"].key() and BUILTINS["small-32k"].key()["vocab_size"] == 32768
+
 def test_unknown_builtin_names_the_choices():
     import pytest
 

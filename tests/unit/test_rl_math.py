@@ -9,7 +9,8 @@ import torch
 from alignflow.stages.rl.advantages import Estimator, action_order, advantages, baselined_scores, gae, token_rewards, whiten
 from alignflow.stages.rl.experience import response_widths
 from alignflow.stages.rl.kl import KLEstimator, adaptive_kl_coef, kl_per_token
-from alignflow.stages.rl.losses import entropy_from_logits, policy_loss, truncated_is_weight, value_loss
+from alignflow.stages.common.logprobs import entropy_from_logits
+from alignflow.stages.rl.losses import policy_loss, truncated_is_weight, value_loss
 
 t = lambda *v: torch.tensor(v, dtype=torch.float64)  # noqa: E731
 rows = lambda *r: torch.tensor(r, dtype=torch.float64)  # noqa: E731

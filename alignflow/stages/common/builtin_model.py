@@ -2,7 +2,11 @@
 
 `builtin:tiny` (about 0.8M parameters) and `builtin:small` (about 25M) are
 Llama-architecture causal LMs with seeded random weights and a character-level
-tokenizer that carries a chat template. They are written once, in HF format,
+tokenizer that carries a chat template. `builtin:small-32k` is `small` with a
+32,768-entry vocabulary, as large as a real tokenizer's: the characters plus
+reserved ids the tokenizer never produces. Only its LM head and embedding
+differ (tied, 17M more parameters), which is what it is for: measuring what the
+head costs. They are written once, in HF format,
 to a cache folder keyed by their spec, and loaded from there by the same code
 that loads a hub model or a local folder, so vLLM and transformers read them
 with no conversion.
@@ -41,18 +45,27 @@ class BuiltinSpec:
     num_key_value_heads: int
     max_position_embeddings: int = 512
     seed: int = 0
+    vocab_size: int = 0  # 0: the characters alone; more: padded with reserved ids
+
+    def key(self) -> dict:
+        """The fields that name the build (an unset vocab_size is left out, so older builds keep their folder)."""
+        return {k: v for k, v in asdict(self).items() if k != "vocab_size" or v}
 
 
 BUILTINS = {
     "tiny": BuiltinSpec(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2),
     "small": BuiltinSpec(hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4),
+    "small-32k": BuiltinSpec(hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
+                             vocab_size=32768),
 }
 
 
-def vocabulary() -> list[str]:
-    """Special tokens, then every printable ASCII character but the vertical whitespace."""
+def vocabulary(size: int = 0) -> list[str]:
+    """Special tokens, then every printable ASCII character but the vertical whitespace; then, up to `size`,
+    reserved tokens that no text splits into."""
     chars = [c for c in string.printable if c not in "\r\x0b\x0c"]
-    return SPECIAL_TOKENS + chars
+    base = SPECIAL_TOKENS + chars
+    return base + [f"<|reserved_{i}|>" for i in range(max(0, size - len(base)))]
 
 
 def is_builtin(name: str) -> bool:
@@ -69,7 +82,7 @@ def resolve_builtin(name: str) -> str:
     if kind not in BUILTINS:
         raise ValueError(f"unknown built-in model {name!r}; choose one of {', '.join('builtin:' + k for k in BUILTINS)}")
     spec = BUILTINS[kind]
-    digest = hashlib.sha256(json.dumps([asdict(spec), vocabulary(), CHAT_TEMPLATE]).encode()).hexdigest()[:12]
+    digest = hashlib.sha256(json.dumps([spec.key(), vocabulary(spec.vocab_size), CHAT_TEMPLATE]).encode()).hexdigest()[:12]
     dest = cache_root() / "builtin" / f"{kind}-{digest}"
     if not (dest / "config.json").exists():
         _build_atomically(spec, dest)
@@ -90,11 +103,11 @@ def _build_atomically(spec: BuiltinSpec, dest: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def build_tokenizer():
+def build_tokenizer(vocab_size: int = 0):
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {tok: i for i, tok in enumerate(vocabulary())}
+    vocab = {tok: i for i, tok in enumerate(vocabulary(vocab_size))}
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # one token per character
     core.decoder = decoders.Fuse()
@@ -115,9 +128,9 @@ def build_builtin(spec: BuiltinSpec, dest: Path) -> None:
     import torch
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
-    tok = build_tokenizer()
+    tok = build_tokenizer(spec.vocab_size)
     config = LlamaConfig(
-        vocab_size=len(vocabulary()),
+        vocab_size=len(vocabulary(spec.vocab_size)),
         hidden_size=spec.hidden_size,
         intermediate_size=spec.intermediate_size,
         num_hidden_layers=spec.num_hidden_layers,

@@ -18,7 +18,7 @@ from alignflow.config.base import PreferenceDataConfig
 from alignflow.stages.common.data import (DataError, FilteredRow, Sample, chat_prompt_text, chat_texts, column, encode, load_rows,
                                           prompt_value, response_sample, text_or_messages)
 from alignflow.stages.common.formats import conversation, finite_number, shared_prompt
-from alignflow.stages.common.logprobs import sourced_logprobs
+from alignflow.stages.common.logprobs import logprobs_at
 from alignflow.stages.common.packing import Packing
 
 
@@ -77,9 +77,11 @@ def pair_logps(model, pairs: list[Pair], pad_id: int, device) -> dict[str, torch
     """Summed response log-probs of chosen and rejected (one shared-prompt block per pair), and
     the token-mean NLL of each chosen response (for the optional NLL term)."""
     batch = collate_pairs(pairs, pad_id).to(device)
-    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids,
-                   use_cache=False).logits
-    logps = sourced_logprobs(logits, batch.source, batch.input_ids).reshape(1, -1)
+    inputs = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask, "position_ids": batch.position_ids}
+    rows, width = batch.input_ids.shape
+    at = batch.source + torch.arange(rows, device=batch.source.device)[:, None] * width  # flat positions
+    needed = (batch.chosen_mask + batch.rejected_mask).sum(0).ne(0).view(rows, width)
+    logps = logprobs_at(model, inputs, at, batch.input_ids, keep=needed)[0].reshape(1, -1)
     chosen = (logps * batch.chosen_mask).sum(-1)
     return {"chosen": chosen, "rejected": (logps * batch.rejected_mask).sum(-1),
             "nll": -chosen / batch.chosen_mask.sum(-1).clamp(min=1)}

@@ -25,7 +25,7 @@ import torch
 
 from alignflow.stages.common.generation import Rollout
 from alignflow.stages.common.packing import Packing
-from alignflow.stages.rl.losses import entropy_from_logits
+from alignflow.stages.common.logprobs import logprobs_at
 
 
 @dataclass
@@ -175,12 +175,9 @@ def response_widths(mask: torch.Tensor) -> torch.Tensor:
 
 def response_logprobs(model, exp: "Experience | SharedRows", temperature: float, with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(B, R) log-probs of the response tokens under `model` at the sampling temperature, and
-    optionally their entropies. Both garbage where mask is 0."""
-    logits = model(**exp.model_inputs(), use_cache=False).logits
-    picked = logits.flatten(0, 1)[exp.source].float() / temperature
-    logp = -torch.nn.functional.cross_entropy(picked.reshape(-1, picked.size(-1)), exp.targets.reshape(-1),
-                                              reduction="none").view_as(exp.targets)
-    return logp, entropy_from_logits(picked) if with_entropy else None
+    optionally their entropies. Both 0 where mask is 0."""
+    return logprobs_at(model, exp.model_inputs(), exp.source, exp.targets, keep=exp.mask.ne(0), temperature=temperature,
+                       with_entropy=with_entropy)
 
 
 def response_values(model, head: torch.nn.Module, exp: "Experience | SharedRows") -> torch.Tensor:

@@ -92,7 +92,3 @@ def value_loss(
         return loss, {"value_clip_frac": (frac * mask).sum() / mask.sum().clamp(min=1)}
 
 
-def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """(B, R, V) logits -> (B, R) entropy of each token's distribution."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    return -(logp.exp() * logp).sum(-1)
