@@ -186,7 +186,9 @@ def test_low_precision_inputs():
     hidden, weight, b, targets, coef = make(5, 8, 12, dtype=torch.bfloat16, seed=5)
     logp, ent = head_logprobs(hidden, weight, b, targets, chunk_rows=2, with_entropy=True)
     assert logp.dtype == torch.float32 and ent.dtype == torch.float32
-    ref_logp, ref_ent = naive(hidden.float(), weight.float(), b.float(), targets)  # fp32 math on the bf16 values
+    logits = F.linear(hidden, weight, b).float()  # the head's matmul in bf16, as the model's own head; the softmax in fp32
+    logsm = torch.log_softmax(logits, -1)
+    ref_logp, ref_ent = logsm.gather(1, targets[:, None]).squeeze(1), -(logsm.exp() * logsm).sum(-1)
     torch.testing.assert_close(logp, ref_logp)
     torch.testing.assert_close(ent, ref_ent)
     gh, gw, gb = grads((coef[0].float() * logp).sum(), [hidden, weight, b])

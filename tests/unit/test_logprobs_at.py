@@ -111,3 +111,17 @@ def test_the_head_runs_on_kept_positions_only(monkeypatch, vocab):
                         lambda x, w, b=None: (seen.append(x.shape[0]) if w.shape[0] == vocab else None) or real(x, w, b))
     forward_logprobs(model, batch)
     assert sum(seen) == int(batch.loss_mask[:, 1:].sum())
+
+
+def test_the_models_own_forward_runs_with_the_head_passing_the_hidden_state_through():
+    """A DeepSpeed engine hangs its backward prologue on its forward's output: the forward must run, not the body alone."""
+    model, batch = llama(), packed_batch(300)
+    calls = []
+    model.register_forward_hook(lambda module, args, output: calls.append(output.logits.shape))
+    forward_logprobs(model, batch)
+    assert calls == [(2, 12, 32)]  # the hidden size: the head let the last hidden state through
+    assert "forward" not in vars(model.lm_head)  # and is itself again
+    model.register_forward_hook(lambda *a: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        forward_logprobs(model, batch)
+    assert "forward" not in vars(model.lm_head) and model.lm_head(torch.zeros(1, 32, dtype=torch.float64)).shape == (1, 300)

@@ -24,7 +24,8 @@ __all__ = ["head_logprobs", "gather_rows"]
 
 
 def _compute_dtype(*tensors: torch.Tensor | None) -> torch.dtype:
-    """fp32 for half/bf16/fp32 inputs; fp64 only when an input is already fp64 (keeps gradcheck exact)."""
+    """The dtype of the softmax math: fp32 for half/bf16/fp32 inputs; fp64 only when an input is already fp64 (keeps
+    gradcheck exact)."""
     dtype = torch.float32
     for t in tensors:
         if t is not None:
@@ -33,8 +34,9 @@ def _compute_dtype(*tensors: torch.Tensor | None) -> torch.dtype:
 
 
 def _chunk_logits(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, temperature: float, dtype: torch.dtype) -> torch.Tensor:
-    """Tempered logits of one row chunk, in the compute dtype. Same op order as the naive path (linear, then / T)."""
-    y = F.linear(h.to(dtype), w, b)
+    """Tempered logits of one row chunk in the compute dtype. The matmul runs in the weight's dtype, as the model's own
+    head does (a bf16 model's logits stay the generator's), and no fp32 copy of the weight is made; then / T."""
+    y = F.linear(h.to(w.dtype), w, b).to(dtype)
     if temperature != 1.0:
         y.div_(temperature)
     return y
@@ -45,9 +47,7 @@ class _ChunkedHeadLogprobs(torch.autograd.Function):
     def forward(ctx, hidden, weight, bias, targets, temperature, chunk_rows, with_entropy):
         ctx.set_materialize_grads(False)  # unused outputs give None grads, so we can skip their terms
         dtype = _compute_dtype(hidden, weight, bias)
-        # Cast the weight once (V x H, weight-sized, freed after forward); never cast inside the row loop.
-        w = weight.to(dtype)
-        b = None if bias is None else bias.to(dtype)
+        w, b = weight, bias
         n = hidden.shape[0]
         logp = hidden.new_empty(n, dtype=dtype)
         lse = hidden.new_empty(n, dtype=dtype)
@@ -73,28 +73,36 @@ class _ChunkedHeadLogprobs(torch.autograd.Function):
     @staticmethod
     @once_differentiable  # the hand-written backward is not itself differentiable; fail loudly on double backward
     def backward(ctx, g_logp, g_ent=None):
+        with torch.autocast(ctx.saved_tensors[0].device.type, enabled=False):  # recompute as the forward computed
+            return _ChunkedHeadLogprobs._backward(ctx, g_logp, g_ent)
+
+    @staticmethod
+    def _backward(ctx, g_logp, g_ent):
         hidden, weight, bias, targets, lse, ent = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         none = (None,) * 4
         if not (need_h or need_w or need_b) or (g_logp is None and g_ent is None):
             return (None, None, None) + none
         dtype, temperature = ctx.dtype, ctx.temperature
-        w = weight.to(dtype)
-        b = None if bias is None else bias.to(dtype)
+        w, b = weight, bias
         grad_h = torch.empty_like(hidden) if need_h else None
-        grad_w = torch.zeros_like(w) if need_w else None  # fp32 (or fp64) accumulator across chunks
+        grad_w = torch.zeros(w.shape, dtype=dtype, device=w.device) if need_w else None  # fp32 (or fp64) across chunks
         grad_b = torch.zeros(w.shape[0], dtype=dtype, device=w.device) if need_b else None
         for start in range(0, hidden.shape[0], ctx.chunk_rows):
             rows = slice(start, start + ctx.chunk_rows)
-            h = hidden[rows].to(dtype)
+            h = hidden[rows].to(w.dtype)
             dz = _chunk_grad_z(h, w, b, temperature, targets[rows], lse[rows],
                                None if g_logp is None else g_logp[rows],
                                None if g_ent is None else g_ent[rows],
                                None if ent is None else ent[rows])
+            dz_w = dz.to(w.dtype)  # the two matmuls in the weight's dtype, as the forward's
             if need_h:
-                grad_h[rows] = (dz @ w).to(hidden.dtype)
+                grad_h[rows] = (dz_w @ w).to(hidden.dtype)
             if need_w:
-                grad_w.addmm_(dz.t(), h)
+                if dz_w.dtype == grad_w.dtype:
+                    grad_w.addmm_(dz_w.t(), h)
+                else:
+                    grad_w += (dz_w.t() @ h).to(grad_w.dtype)
             if need_b:
                 grad_b += dz.sum(0)
         if need_w:
@@ -106,7 +114,7 @@ class _ChunkedHeadLogprobs(torch.autograd.Function):
 
 def _chunk_grad_z(h, w, b, temperature, targets, lse, g_logp, g_ent, ent):
     """Grad wrt the untempered logits z of one chunk: (g_logp (onehot - p) - g_H p (log p + H)) / T."""
-    log_p = _chunk_logits(h, w, b, temperature, w.dtype).sub_(lse[:, None])  # reuse the logits' storage for log p
+    log_p = _chunk_logits(h, w, b, temperature, lse.dtype).sub_(lse[:, None])  # reuse the logits' storage for log p
     p = torch.exp(log_p)
     if g_logp is not None:
         g = g_logp.to(p.dtype)[:, None]
@@ -139,7 +147,9 @@ def head_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
         raise ValueError(f"expected targets ({hidden.shape[0]},), got {tuple(targets.shape)}")
     if chunk_rows < 1 or temperature <= 0:
         raise ValueError(f"chunk_rows must be >= 1 and temperature > 0, got {chunk_rows} and {temperature}")
-    out = _ChunkedHeadLogprobs.apply(hidden, weight, bias, targets.long(), float(temperature), int(chunk_rows), bool(with_entropy))
+    # Under autocast the forward's matmuls would run in another dtype than the backward's recomputation.
+    with torch.autocast(hidden.device.type, enabled=False):
+        out = _ChunkedHeadLogprobs.apply(hidden, weight, bias, targets.long(), float(temperature), int(chunk_rows), bool(with_entropy))
     return out if with_entropy else (out, None)
 
 

@@ -1,12 +1,15 @@
 """Token log-probabilities: the one quantity every loss in alignflow starts from. Pure torch.
 
 Every stage reads log p(token) from a causal LM at chosen positions (`logprobs_at`). Where the model's logits are
-its LM head applied to its last hidden state, and nothing else (`split_lm`), the head runs on those positions
-alone and a chunk of rows at a time (`lm_head.head_logprobs`), so the (tokens x vocabulary) logits are never
-materialised; elsewhere the model's own forward gives the logits.
+its LM head applied to its last hidden state, and nothing else (`split_lm`), the model's own forward runs with the
+head letting the hidden state through, and the head then runs on those positions alone, a chunk of rows at a time
+(`lm_head.head_logprobs`), so the (tokens x vocabulary) logits are never materialised; elsewhere the model's
+logits are used as they come.
 """
 
 from __future__ import annotations
+
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -46,10 +49,10 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     return -(logp.exp() * logp).sum(-1)
 
 
-def split_lm(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor | None] | None:
-    """(the body giving the last hidden state, the LM head's weight and bias) of a causal LM, a DeepSpeed engine
-    around one, or a PEFT model; None where the logits are more than a plain linear head of the last hidden state,
-    or where the head's weight is not here whole (a LoRA-wrapped head, a ZeRO-3 shard)."""
+def split_lm(model: torch.nn.Module) -> torch.nn.Linear | None:
+    """The LM head of a causal LM, a DeepSpeed engine around one, or a PEFT model; None where the logits are more
+    than a plain linear head of the last hidden state, or where the head's weight is not here whole (a LoRA-wrapped
+    head, a ZeRO-3 shard)."""
     hf = getattr(model, "module", model)  # a DeepSpeed engine's model
     if hasattr(hf, "get_base_model"):  # PEFT: the adapters live inside the base model's layers
         hf = hf.get_base_model()
@@ -58,7 +61,23 @@ def split_lm(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.Tensor, tor
     head = hf.get_output_embeddings()
     if type(head) is not torch.nn.Linear or hasattr(head.weight, "ds_id"):
         return None
-    return getattr(hf, hf.base_model_prefix), head.weight, head.bias
+    return head
+
+
+@contextmanager
+def passing_through(head: torch.nn.Module):
+    """The head returns its input: the model's forward then gives the last hidden state as its `logits`. The forward
+    itself still runs, so what a DeepSpeed engine hangs on it (the backward prologue its ZeRO optimizers need)
+    still happens."""
+    head.forward = _identity  # an instance attribute: found before the class's method
+    try:
+        yield
+    finally:
+        del head.forward
+
+
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x
 
 
 def logprobs_at(model: torch.nn.Module, inputs: dict[str, torch.Tensor | None], source: torch.Tensor, targets: torch.Tensor,
@@ -71,12 +90,12 @@ def logprobs_at(model: torch.nn.Module, inputs: dict[str, torch.Tensor | None], 
     kept = None if keep is None else keep.flatten().nonzero().squeeze(-1)
     if kept is not None:
         src, tgt = src[kept], tgt[kept]
-    split = split_lm(model)
-    if split is not None:
-        body, weight, bias = split
-        hidden = body(**inputs, use_cache=False).last_hidden_state
-        rows = max(1, LOGITS_PER_CHUNK // weight.shape[0])
-        logp, entropy = head_logprobs(gather_rows(hidden, src), weight, bias, tgt, temperature, rows, with_entropy)
+    head = split_lm(model)
+    if head is not None:
+        with passing_through(head):
+            hidden = model(**inputs, use_cache=False).logits
+        rows = max(1, LOGITS_PER_CHUNK // head.weight.shape[0])
+        logp, entropy = head_logprobs(gather_rows(hidden, src), head.weight, head.bias, tgt, temperature, rows, with_entropy)
     else:
         picked = model(**inputs, use_cache=False).logits.flatten(0, 1)[src].float() / temperature
         logp = -F.cross_entropy(picked, tgt, reduction="none")

@@ -19,6 +19,7 @@ sampling seeds are functions of (seed, step), so a resumed run continues exactly
 from __future__ import annotations
 
 import os
+import sys
 import time
 import threading
 from typing import Any, Callable
@@ -381,13 +382,21 @@ class RLTrainer:
         self.roles.actor.call("save_model", storage.join(stage_uri, "model"), self.key)
         # Nothing runs on Ray after the save: the workers' exit and the driver's disconnect (0.3 s in Ray's shutdown)
         # overlap the rest of the publish.
-        leaving = threading.Thread(target=lambda: (self.roles.shutdown(), self.disconnect()), name="ray-disconnect")
+        leaving = threading.Thread(target=self._leave_ray, name="ray-disconnect")
         leaving.start()
         try:
             finish_publish(stage_uri, local, files, meta)
         finally:
             leaving.join()
         return local
+
+    def _leave_ray(self) -> None:
+        try:
+            self.roles.shutdown()
+            self.disconnect()
+        except Exception as exc:  # the stage's `finally` stops the workers and disconnects again
+            print(f"rl: stopping the worker groups after the model's save failed ({exc!r}); retried at the stage's end",
+                  file=sys.stderr, flush=True)
 
     def close(self) -> None:
         pass
