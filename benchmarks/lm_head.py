@@ -7,7 +7,7 @@ Each (model, path) runs in its own process, one after another: fp32, all cores, 
 (random for the built-ins: this is about time and memory, not learning). The work is SFT's: 16 packed rows of
 `data/sft/train.jsonl` (max length 64, the benchmark settings of `sft_throughput.py`), `forward_logprobs`, the
 token-mean NLL over the response tokens, backward. Paths:
-- chunked: what alignflow runs (`logprobs.split_lm` finds the head): the body's last hidden state, the head on the
+- chunked: what alignflow runs (`logprobs.plain_head` finds the head): the model's last hidden state, the head on the
   response positions alone, a chunk of rows at a time, the logits recomputed in the backward (`lm_head.py`);
 - full: the model's own (tokens x vocabulary) logits at every position, then the log-softmax of each
   (`token_logprobs`): what `forward_logprobs` did before this change, and what most trainers do.

@@ -9,7 +9,7 @@ import torch
 
 from alignflow.stages.common import logprobs
 from alignflow.stages.common.data import TokenBatch
-from alignflow.stages.common.logprobs import entropy_from_logits, forward_logprobs, logprobs_at, split_lm, token_logprobs
+from alignflow.stages.common.logprobs import entropy_from_logits, forward_logprobs, logprobs_at, plain_head, token_logprobs
 
 
 def llama(vocab: int = 300):
@@ -22,7 +22,7 @@ def llama(vocab: int = 300):
 
 
 def full_logits(monkeypatch):
-    monkeypatch.setattr(logprobs, "split_lm", lambda model: None)
+    monkeypatch.setattr(logprobs, "plain_head", lambda model: None)
 
 
 FP32 = {"atol": 1e-5, "rtol": 1e-5}  # log-probs come out in fp32, from a model in fp64 here
@@ -44,7 +44,7 @@ def packed_batch(vocab: int) -> TokenBatch:
 
 def test_forward_logprobs_chunked_equals_the_models_logits_on_packed_rows(monkeypatch):
     model, batch = llama(), packed_batch(300)
-    assert split_lm(model) is not None
+    assert plain_head(model) is not None
     weights = torch.randn(2, 11)
     chunked = forward_logprobs(model, batch)
     got = grads(model, (chunked * weights).sum())
@@ -92,10 +92,10 @@ def test_models_whose_logits_are_more_than_a_plain_head_take_the_full_path():
 
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=50, n_embd=16, n_layer=1, n_head=2, n_positions=32)).double().eval()  # no dropout
-    assert split_lm(model) is None  # not on the list of plain heads
+    assert plain_head(model) is None  # not on the list of plain heads
     wrapped = llama()
     wrapped.lm_head = torch.nn.Sequential(wrapped.lm_head)  # as a LoRA or modules_to_save wrapper would
-    assert split_lm(wrapped) is None
+    assert plain_head(wrapped) is None
     ids = torch.randint(0, 50, (2, 7))
     batch = TokenBatch(ids, torch.arange(7).repeat(2, 1), torch.ones(2, 7, dtype=torch.float64), None, 14)
     torch.testing.assert_close(forward_logprobs(model, batch), token_logprobs(model(input_ids=ids, use_cache=False).logits, ids), **FP32)

@@ -47,14 +47,13 @@ class _ChunkedHeadLogprobs(torch.autograd.Function):
     def forward(ctx, hidden, weight, bias, targets, temperature, chunk_rows, with_entropy):
         ctx.set_materialize_grads(False)  # unused outputs give None grads, so we can skip their terms
         dtype = _compute_dtype(hidden, weight, bias)
-        w, b = weight, bias
         n = hidden.shape[0]
         logp = hidden.new_empty(n, dtype=dtype)
         lse = hidden.new_empty(n, dtype=dtype)
         ent = hidden.new_empty(n, dtype=dtype) if with_entropy else None
         for start in range(0, n, chunk_rows):
             rows = slice(start, start + chunk_rows)
-            y = _chunk_logits(hidden[rows], w, b, temperature, dtype)
+            y = _chunk_logits(hidden[rows], weight, bias, temperature, dtype)
             lse_c = torch.logsumexp(y, dim=-1)
             lse[rows] = lse_c
             logp[rows] = y.gather(1, targets[rows, None]).squeeze(1) - lse_c
@@ -78,13 +77,12 @@ class _ChunkedHeadLogprobs(torch.autograd.Function):
 
     @staticmethod
     def _backward(ctx, g_logp, g_ent):
-        hidden, weight, bias, targets, lse, ent = ctx.saved_tensors
+        hidden, w, b, targets, lse, ent = ctx.saved_tensors  # the head's weight and bias
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         none = (None,) * 4
         if not (need_h or need_w or need_b) or (g_logp is None and g_ent is None):
             return (None, None, None) + none
         dtype, temperature = ctx.dtype, ctx.temperature
-        w, b = weight, bias
         grad_h = torch.empty_like(hidden) if need_h else None
         grad_w = torch.zeros(w.shape, dtype=dtype, device=w.device) if need_w else None  # fp32 (or fp64) across chunks
         grad_b = torch.zeros(w.shape[0], dtype=dtype, device=w.device) if need_b else None
@@ -106,9 +104,9 @@ class _ChunkedHeadLogprobs(torch.autograd.Function):
             if need_b:
                 grad_b += dz.sum(0)
         if need_w:
-            grad_w = grad_w.to(weight.dtype)
+            grad_w = grad_w.to(w.dtype)
         if need_b:
-            grad_b = grad_b.to(bias.dtype)
+            grad_b = grad_b.to(b.dtype)
         return (grad_h, grad_w, grad_b) + none
 
 
@@ -135,8 +133,8 @@ def head_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     Returns logp (N,) fp32 = log softmax((hidden @ weight.T + bias) / temperature)[targets], and if with_entropy the
     (N,) fp32 entropy of that same tempered distribution, else None.
 
-    Logits are computed chunk_rows rows at a time in fp32 (fp64 if an input is fp64, then the outputs are fp64 too) and are
-    never kept: backward recomputes them per chunk. Gradients come back in the input dtypes. Callers select the rows they
+    Logits are computed chunk_rows rows at a time (the matmul in the weight's dtype, the softmax in fp32; fp64 if an input
+    is fp64, then the outputs are fp64 too) and are never kept: backward recomputes them per chunk. Gradients come back in the input dtypes. Callers select the rows they
     need (e.g. drop ignore-index positions) before calling; N == 0 is fine.
     """
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:

@@ -1,7 +1,7 @@
 """Token log-probabilities: the one quantity every loss in alignflow starts from. Pure torch.
 
 Every stage reads log p(token) from a causal LM at chosen positions (`logprobs_at`). Where the model's logits are
-its LM head applied to its last hidden state, and nothing else (`split_lm`), the model's own forward runs with the
+its LM head applied to its last hidden state, and nothing else (`plain_head`), the model's own forward runs with the
 head letting the hidden state through, and the head then runs on those positions alone, a chunk of rows at a time
 (`lm_head.head_logprobs`), so the (tokens x vocabulary) logits are never materialised; elsewhere the model's
 logits are used as they come.
@@ -49,7 +49,7 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     return -(logp.exp() * logp).sum(-1)
 
 
-def split_lm(model: torch.nn.Module) -> torch.nn.Linear | None:
+def plain_head(model: torch.nn.Module) -> torch.nn.Linear | None:
     """The LM head of a causal LM, a DeepSpeed engine around one, or a PEFT model; None where the logits are more
     than a plain linear head of the last hidden state, or where the head's weight is not here whole (a LoRA-wrapped
     head, a ZeRO-3 shard)."""
@@ -90,7 +90,7 @@ def logprobs_at(model: torch.nn.Module, inputs: dict[str, torch.Tensor | None], 
     kept = None if keep is None else keep.flatten().nonzero().squeeze(-1)
     if kept is not None:
         src, tgt = src[kept], tgt[kept]
-    head = split_lm(model)
+    head = plain_head(model)
     if head is not None:
         with passing_through(head):
             hidden = model(**inputs, use_cache=False).logits
