@@ -18,7 +18,8 @@ Frameworks (--frameworks): `alignflow` as shipped (configs/tiny.yaml's rl defaul
 actor worker generates from its own weights, and no old-log-prob pass while the generator's log-probs are the
 actor's); `alignflow-separate`, the layout before issue 15 (`workers.hybrid=false`, `policy.old_logprobs=recompute`: a
 separate rollout worker with a weight push every step, and the no-grad pass over the batch), with everything else as
-shipped; `trl`.
+shipped; `alignflow-async`, the separate layout with `rollout.asynchronous=true` (the rollout worker generates step
+t+1's samples while the actor trains on step t's; its "generation" phase is the time the step waits for them); `trl`.
 
 The same work on both sides
 - model: the same local HF folder, fp32, sdpa attention, no gradient checkpointing, no bf16 (TRL's configs default to
@@ -180,7 +181,8 @@ PHASE_NAMES = {"gen_s": "generation + scoring", "logp_s": "log-probs", "train_s"
 
 # alignflow as shipped, and the layout before issue 15's hybrid actor and skipped old-log-prob pass (a separate
 # rollout worker with a weight push every step, and the no-grad pass over the batch), measured in the same run.
-ALIGNFLOW_VARIANTS = {"alignflow": [], "alignflow-separate": ["rl.workers.hybrid=false", "rl.policy.old_logprobs=recompute"]}
+ALIGNFLOW_VARIANTS = {"alignflow": [], "alignflow-separate": ["rl.workers.hybrid=false", "rl.policy.old_logprobs=recompute"],
+                      "alignflow-async": ["rl.workers.hybrid=false", "rl.rollout.asynchronous=true"]}
 FRAMEWORKS = [*ALIGNFLOW_VARIANTS, "trl"]
 
 
@@ -398,7 +400,9 @@ def worker_alignflow(args: argparse.Namespace) -> dict[str, Any]:
         raise RuntimeError(f"expected one generation per step, got {len(rollout_calls)} rollout calls and {len(score_calls)} scorings")
     steps = []
     for i, h in enumerate(history):
-        phases = {"gen_s": h["phase/generate_and_score_s"], "logp_s": h["phase/inference_s"], "train_s": h["phase/train_s"],
+        # Asynchronous rollout: generation runs beside the step; what it adds is the wait for it before the weight push
+        exposed_gen = h["phase/generate_and_score_s"] + h.get("phase/wait_for_rollout_s", 0.0)
+        phases = {"gen_s": exposed_gen, "logp_s": h["phase/inference_s"], "train_s": h["phase/train_s"],
                   "sync_s": h["phase/sync_s"]}
         steps.append({
             "step": h["step"], **phases, "step_time_s": sum(phases.values()), "span_s": spans[i][1] - spans[i][0],

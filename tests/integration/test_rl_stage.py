@@ -1,6 +1,6 @@
 """The rl stage on the tiny model, on CPU, with real Ray worker groups: GRPO learns the tiny
 tasks, PPO with a critic raises the reward model's score, Dr. GRPO runs with dynamic sampling, a killed run
-resumes exactly, and bad input stops it."""
+resumes exactly (also one step off-policy, with asynchronous rollout), and bad input stops it."""
 
 from __future__ import annotations
 
@@ -98,6 +98,34 @@ def test_killed_run_resumes_to_the_same_weights(tiny_sft, tmp_path, monkeypatch)
         assert torch.equal(a[name], b[name]), name
     key = lambda h: [(r["step"], r.get("reward/mean"), r.get("train/kl_coef")) for r in h]  # noqa: E731
     assert key(history(straight["uri"])) == key(history(resumed["uri"]))  # same samples, same adaptive β
+
+
+def test_asynchronous_rollout_trains_one_step_behind_and_resumes_exactly(tiny_sft, tmp_path, monkeypatch):
+    """The rollout worker generates step t+1's samples while the actor trains on step t's: from the second step on,
+    the samples come from the weights one update behind the actor's (the old-log-prob pass measures the gap) and are
+    ready when the step starts. A run killed after step 2 resumes with step 3's samples from the checkpoint (the
+    weights that drew them are gone) and ends on the uninterrupted run's weights."""
+    _, sft = tiny_sft
+    short = ["rl.rollout.asynchronous=true", "rl.batch.max_steps=3", "rl.checkpoint.every_steps=1", "rl.logging.eval_every=100",
+             "rl.optim.lr=1e-3", "rl.generation.importance_cap=2.0"]
+    straight = main(config(tmp_path / "a", *short), "rl", None, {"from": sft["uri"]})
+    steps = [r for r in history(straight["uri"]) if "train/policy_loss" in r]
+    gap = [r["train/logprob_mismatch"] for r in steps]
+    print(f"\nasynchronous rollout: logprob mismatch per step {[f'{x:.1e}' for x in gap]}, generation "
+          f"{[round(r.get('phase/generate_ahead_s', 0), 2) for r in steps]} s in the background")
+    assert gap[0] < 1e-5 and min(gap[1:]) > 1e-4  # step 1 is sampled by the actor's weights, later steps one update behind
+    assert all(r["train/old_logprob_pass"] == 1.0 for r in steps)
+    assert all(r["phase/generate_and_score_s"] < 0.05 < r["phase/generate_ahead_s"] for r in steps[1:])
+    cfg = config(tmp_path / "b", *short)
+    monkeypatch.setenv(FAIL_AT_STEP_ENV, "2")
+    with pytest.raises(InjectedFailure):
+        main(cfg, "rl", None, {"from": sft["uri"]})
+    monkeypatch.delenv(FAIL_AT_STEP_ENV)
+    resumed = main(cfg, "rl", None, {"from": sft["uri"]})
+    assert resumed["resumed_from_step"] == 2
+    a, b = weights(straight["uri"]), weights(resumed["uri"])
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
 
 
 def test_bad_reward_function_fails_naming_the_sample(tiny_sft, tmp_path):

@@ -37,6 +37,8 @@ def test_sleep_mode_is_refused_off_gpus():
         rl("rl.generation.engine=vllm", "rl.generation.sleep=true", "rl.workers.gpus_per_worker=1", "rl.workers.colocate=pairs")
     ok = rl("rl.generation.engine=vllm", "rl.generation.sleep=true", "rl.workers.gpus_per_worker=1")
     assert ok.section("rl").generation.sleep
+    with pytest.raises(ConfigError, match="rollout.asynchronous generates while the trainers train.*generation.sleep: false"):
+        rl("rl.generation.engine=vllm", "rl.generation.sleep=true", "rl.workers.gpus_per_worker=1", "rl.rollout.asynchronous=true")
 
 
 def test_sleep_mode_engine_refuses_without_a_gpu(monkeypatch):
@@ -54,7 +56,8 @@ def test_vllm_options_need_the_vllm_engine():
 def test_the_actor_generates_when_the_layout_allows_and_says_why_not():
     assert rl().section("rl").hybrid  # tiny.yaml: HF engine, colocate all, ZeRO-0, one actor worker
     for setting, reason in [("rl.generation.engine=vllm", "generation.engine: hf"), ("rl.workers.colocate=pairs", "colocate: all"),
-                            ("rl.deepspeed.zero_stage=3", "zero_stage below 3"), ("rl.workers.actor=2", "generation.engines equal")]:
+                            ("rl.deepspeed.zero_stage=3", "zero_stage below 3"), ("rl.workers.actor=2", "generation.engines equal"),
+                            ("rl.rollout.asynchronous=true", "rollout.asynchronous: false")]:
         assert not rl(setting).section("rl").hybrid  # auto: separate rollout workers
         with pytest.raises(ConfigError, match=f"workers.hybrid: true generates in the actor workers, which needs .*{reason}"):
             rl(setting, "rl.workers.hybrid=true")

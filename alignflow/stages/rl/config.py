@@ -176,6 +176,13 @@ class RolloutConfig(Frozen):
     prompts_per_step: int = Field(16, ge=1, description="Prompts sampled per RL step.")
     dynamic_sampling: bool = Field(False, description="Drop groups whose rewards are all equal; sample more prompts to refill.")
     max_sampling_rounds: int = Field(3, ge=1, description="Cap on sampling rounds per step with dynamic sampling.")
+    asynchronous: bool = Field(
+        False, description="One step off-policy (OpenRLHF's async training): the rollout workers generate step t+1's "
+                           "samples with the weights of step t while the actor trains on step t's; the old-log-prob "
+                           "pass runs every step, and with `generation.importance_cap` truncated importance sampling "
+                           "corrects for the staleness. Needs "
+                           "separate rollout workers (not the hybrid layout). Pays where generation and training run "
+                           "on different devices; on a small CPU they share the cores.", json_schema_extra=HASHED_WHEN_SET)
 
 
 class WorkersConfig(Frozen):
@@ -250,6 +257,9 @@ class RLConfig(TrainingSection):
         if self.workers.hybrid is True and self.hybrid_blocker():
             raise ValueError(f"workers.hybrid: true generates in the actor workers, which needs {self.hybrid_blocker()}; "
                              "set workers.hybrid: auto or false")
+        if self.rollout.asynchronous and self.generation.sleep:
+            raise ValueError("rollout.asynchronous generates while the trainers train, so the engines cannot give them "
+                             "their memory meanwhile: set generation.sleep: false (or rollout.asynchronous: false)")
         if self.generation.sleep and (not self.workers.gpus_per_worker or self.workers.colocate != "all"):
             raise ValueError("generation.sleep frees the vLLM engines' GPU memory while colocated roles train: it needs "
                              f"workers.gpus_per_worker > 0 and workers.colocate: all (got {self.workers.gpus_per_worker} "
@@ -259,6 +269,8 @@ class RLConfig(TrainingSection):
     def hybrid_blocker(self) -> str | None:
         """What keeps the actor workers from generating with their own weights, or None when nothing does."""
         g, w = self.generation, self.workers
+        if self.rollout.asynchronous:
+            return "rollout.asynchronous: false (asynchronous rollout generates in rollout workers while the actor trains)"
         if g.engine != "hf":
             return f"generation.engine: hf (got {g.engine})"
         if w.colocate != "all":

@@ -11,9 +11,12 @@ generate and score through the executor (`executors.py`: single-turn with the re
 or reward model, or multi-turn episodes with an environment; overlong penalty; dynamic
 sampling) -> old / reference log-probs and values -> KL and advantages (pure functions) ->
 train actor (and critic) -> push the actor's weights to the rollout workers -> log ->
-checkpoint. Checkpoints hold the actor's and critic's DeepSpeed states and RNGs and, in the
+checkpoint. With `rollout.asynchronous`, the rollout workers generate and the driver scores
+the next step's samples in a thread while this step's run through the trainers (one step
+off-policy, as OpenRLHF's async training); the push waits for them. Checkpoints hold the actor's and critic's DeepSpeed states and RNGs and, in the
 actor's client state, the driver's (metric history, adaptive KL coefficient); prompts and
-sampling seeds are functions of (seed, step), so a resumed run continues exactly.
+sampling seeds are functions of (seed, step), so a resumed run continues exactly (an asynchronous
+run's checkpoint also holds the next step's samples: the weights that drew them are gone).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import os
 import sys
 import time
 import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
 
 import numpy as np
@@ -72,7 +76,7 @@ def main(cfg: PipelineConfig, stage: str, output_uri: str | None = None, inputs:
     agent = load_agent(rl.agent.path) if rl.agent else None
     steps = total_steps(len(train), rl, "prompts", ("rollout.prompts_per_step", rl.rollout.prompts_per_step))
     disconnect = connect_ray()
-    roles = server = None
+    roles = server = loop = None
     try:
         roles = Roles(rl, base, reward_model, tokenizer.pad_token_id, steps, run.out, run.key)
         run.params = dict(zip(("params/trainable", "params/total"), roles.actor.call("parameter_counts")[0]))
@@ -80,16 +84,19 @@ def main(cfg: PipelineConfig, stage: str, output_uri: str | None = None, inputs:
             server = OpenAIServer(tokenizer, roles.generate, model_name=rl.agent.model_name, host=rl.agent.host,
                                   sampling=SamplingParams(rl.generation.max_new_tokens), seed=rl.batch.seed)
             print(f"{stage}: agent endpoint {server.url} (model {rl.agent.model_name!r}; API key = episode id)", flush=True)
-        loop = Loop(rl, train, held, tokenizer, roles, make_executor(rl, tokenizer, roles, function, environment, agent, server))
+        loop = Loop(rl, train, held, tokenizer, roles, make_executor(rl, tokenizer, roles, function, environment, agent, server),
+                    steps)
         run.start_with(RLTrainer(roles, run.key, disconnect), steps, "gen_tokens_per_s", loop.evaluate)
-        loop.kl_coef = run.resumed_state.get("kl_coef", rl.kl.coef)
+        loop.resume(run.resumed_state)
 
         # -------------------------------------------------------------- train
-        run.train(loop.step, loop.evaluate, state=lambda: {"kl_coef": loop.kl_coef})
+        run.train(loop.step, loop.evaluate, state=loop.state)
 
         # -------------------------------------------------------------- publish
         return run.publish(tokenizer, CURVES, stats)
     finally:
+        if loop is not None:
+            loop.close()
         if server is not None:
             server.close()
         if isinstance(function, RemoteReward):
@@ -242,14 +249,19 @@ class Roles:
 class Loop:
     """One RL step at a time (see the module docstring), and the held-out evaluation."""
 
-    def __init__(self, rl: RLConfig, train: list[PromptRow], held: list[PromptRow], tokenizer, roles: Roles, executor: Executor):
+    def __init__(self, rl: RLConfig, train: list[PromptRow], held: list[PromptRow], tokenizer, roles: Roles, executor: Executor,
+                 steps: int):
         self.rl, self.train, self.held, self.tokenizer, self.roles, self.executor = rl, train, held, tokenizer, roles, executor
         self.kl_coef = rl.kl.coef
         # The pass is skipped only where nothing before training reads the old log-probs and the loss does not
         # weigh the engine's against them (truncated importance sampling).
         kl_in_reward = roles.needs_reference and rl.kl.placement == "reward"
-        self.recompute_old_logprobs = (rl.policy.old_logprobs == "recompute" or kl_in_reward
+        self.recompute_old_logprobs = (rl.policy.old_logprobs == "recompute" or kl_in_reward or rl.rollout.asynchronous
                                        or rl.generation.importance_cap is not None)
+        # Asynchronous rollout: the next step's samples, generating while this step trains (one thread: the
+        # engines take one batch at a time anyway).
+        self.steps, self.prefetch = steps, None
+        self.sampler = ThreadPoolExecutor(1, thread_name_prefix="rollout-ahead") if rl.rollout.asynchronous else None
 
     def sample(self, step: int) -> tuple[list[PromptRow], Episodes, dict[str, float]]:
         """Prompts and their n scored samples each; with dynamic sampling, groups whose rewards
@@ -276,12 +288,49 @@ class Loop:
         info = {"sampling_rounds": rounds, **({"dynamic_sampling/kept_fraction": first_kept} if rl.rollout.dynamic_sampling else {})}
         return [g[0] for g in groups], Episodes.cat([g[1] for g in groups]), info
 
+    def take(self, step: int) -> tuple[list[PromptRow], Episodes, dict[str, float]]:
+        """This step's samples: generated during the step before (asynchronous rollout), else now."""
+        if self.prefetch is None:
+            return self.sample(step)
+        ahead, future = self.prefetch
+        assert ahead == step, f"samples prefetched for step {ahead}, taken at step {step}"
+        self.prefetch = None
+        return future.result()
+
+    def sample_ahead(self, step: int) -> tuple[list[PromptRow], Episodes, dict[str, float]]:
+        start = time.perf_counter()
+        rows, episodes, info = self.sample(step)
+        return rows, episodes, {**info, "phase/generate_ahead_s": time.perf_counter() - start}
+
+    def state(self) -> dict[str, Any]:
+        """The driver's part of a checkpoint: the KL coefficient and, with asynchronous rollout, the next step's
+        samples (drawn with the weights before this step's update, which a resumed run no longer has)."""
+        state: dict[str, Any] = {"kl_coef": self.kl_coef}
+        if self.prefetch is not None:
+            ahead, future = self.prefetch
+            state["prefetched"] = (ahead, future.result())
+        return state
+
+    def resume(self, state: dict[str, Any]) -> None:
+        self.kl_coef = state.get("kl_coef", self.rl.kl.coef)
+        if "prefetched" in state:
+            ahead, sample = state["prefetched"]
+            done: Future = Future()
+            done.set_result(sample)
+            self.prefetch = (ahead, done)
+
+    def close(self) -> None:
+        if self.sampler is not None:
+            self.sampler.shutdown(wait=False, cancel_futures=True)
+
     def step(self, step: int) -> dict[str, float]:
         rl, roles, clock = self.rl, self.roles, Clock()
-        rows, episodes, info = self.sample(step)
+        rows, episodes, info = self.take(step)
         scores = episodes.scores
         clock.lap("generate_and_score")
         exp = Experience.from_rollouts(episodes.rollouts, self.tokenizer.pad_token_id)
+        if self.sampler is not None and step + 1 < self.steps:  # generated by this step's weights, trained on by the next
+            self.prefetch = (step + 1, self.sampler.submit(self.sample_ahead, step + 1))
         old_logp = roles.actor.call("logprobs", exp)[0] if self.recompute_old_logprobs else None
         ref_logp = roles.reference_logprobs(exp)
         values = roles.critic.call("values", exp)[0] if roles.critic else None
@@ -298,6 +347,9 @@ class Loop:
             metrics.update(roles.critic.call("train", exp, values, returns, step)[0])
         roles.after_training()
         clock.lap("train")
+        if self.prefetch is not None:  # the engines finish the next step's samples before their weights change
+            self.prefetch[1].result()
+            clock.lap("wait_for_rollout")
         roles.sync_weights()
         clock.lap("sync")
         kl_mean = float((kl.sum() / exp.mask.sum()) if kl is not None else 0.0)
@@ -307,18 +359,19 @@ class Loop:
         if old_logp is not None:
             metrics["logprob_mismatch"] = float(((exp.sampled_logp - old_logp).abs() * exp.mask).sum() / exp.mask.sum())
             metrics["old_logprob_pass"] = 1.0
-        metrics.update(self.rollout_metrics(episodes, exp, clock), kl=kl_mean, kl_coef=self.kl_coef, **info)
+        generating = info.get("phase/generate_ahead_s", clock.times["generate_and_score"])
+        metrics.update(self.rollout_metrics(episodes, exp, clock, generating), kl=kl_mean, kl_coef=self.kl_coef, **info)
         if rl.kl.target is not None and kl is not None:  # Ziegler et al. 2019: adapt β toward the target KL per sequence
             self.kl_coef = adaptive_kl_coef(self.kl_coef, float(kl.sum(-1).mean()), rl.kl.target, rl.kl.horizon, len(exp))
         return metrics
 
-    def rollout_metrics(self, episodes: Episodes, exp: Experience, clock: "Clock") -> dict[str, float]:
+    def rollout_metrics(self, episodes: Episodes, exp: Experience, clock: "Clock", generating: float) -> dict[str, float]:
         generated, scores, rollouts = float(exp.mask.sum()), episodes.kept_scores, episodes.rollouts  # mask: policy tokens only
         return {"reward/mean": float(scores.mean()), "reward/std": float(scores.std()) if len(scores) > 1 else 0.0,
                 **{k: float(v.nanmean()) for k, v in episodes.stats.items()},  # multi-turn: turns, success; agents
                 "response_length": generated / len(rollouts),
                 "finished_fraction": sum(r.finish_reason == "stop" for r in rollouts) / len(rollouts),
-                "gen_tokens_per_s": generated / max(clock.times["generate_and_score"], 1e-9),
+                "gen_tokens_per_s": generated / max(generating, 1e-9),
                 "train_tokens_per_s": float(exp.attention_mask.sum()) * self.rl.policy.epochs / max(clock.times["train"], 1e-9),
                 **{f"phase/{k}_s": v for k, v in clock.times.items()}}  # per step; `time/*` is the whole stage
 
