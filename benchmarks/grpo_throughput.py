@@ -18,8 +18,9 @@ Frameworks (--frameworks): `alignflow` as shipped (configs/tiny.yaml's rl defaul
 actor worker generates from its own weights, and no old-log-prob pass while the generator's log-probs are the
 actor's); `alignflow-separate`, the layout before issue 15 (`workers.hybrid=false`, `policy.old_logprobs=recompute`: a
 separate rollout worker with a weight push every step, and the no-grad pass over the batch), with everything else as
-shipped; `alignflow-async`, the separate layout with `rollout.asynchronous=true` (the rollout worker generates step
-t+1's samples while the actor trains on step t's; its "generation" phase is the time the step waits for them); `trl`.
+shipped; `alignflow-async`, `rollout.asynchronous=true` with `workers.colocate=pairs`: the rollout worker generates
+step t+1's samples on half the cores (--threads / 2 torch threads) while the actor trains on step t's on the other
+half; its "generation" phase is the time the step waits for them; `trl`.
 
 The same work on both sides
 - model: the same local HF folder, fp32, sdpa attention, no gradient checkpointing, no bf16 (TRL's configs default to
@@ -182,7 +183,7 @@ PHASE_NAMES = {"gen_s": "generation + scoring", "logp_s": "log-probs", "train_s"
 # alignflow as shipped, and the layout before issue 15's hybrid actor and skipped old-log-prob pass (a separate
 # rollout worker with a weight push every step, and the no-grad pass over the batch), measured in the same run.
 ALIGNFLOW_VARIANTS = {"alignflow": [], "alignflow-separate": ["rl.workers.hybrid=false", "rl.policy.old_logprobs=recompute"],
-                      "alignflow-async": ["rl.workers.hybrid=false", "rl.rollout.asynchronous=true"]}
+                      "alignflow-async": ["rl.rollout.asynchronous=true", "rl.workers.colocate=pairs"]}
 FRAMEWORKS = [*ALIGNFLOW_VARIANTS, "trl"]
 
 
@@ -344,7 +345,8 @@ def worker_alignflow(args: argparse.Namespace) -> dict[str, Any]:
         "rl.deepspeed.zero_stage=0",
         "rl.deepspeed.precision=fp32",
         "rl.workers.actor=1",
-        f"rl.workers.cpus_per_worker={args.threads}",
+        # asynchronous rollout: the rollout worker and the actor run at once, each on half the cores
+        f"rl.workers.cpus_per_worker={max(1, args.threads // 2) if args.worker == 'alignflow-async' else args.threads}",
         "rl.workers.colocate=all",
         f"rl.logging.eval_every={NEVER}",
         f"rl.logging.log_every={NEVER}",

@@ -101,12 +101,13 @@ def test_killed_run_resumes_to_the_same_weights(tiny_sft, tmp_path, monkeypatch)
 
 
 def test_asynchronous_rollout_trains_one_step_behind_and_resumes_exactly(tiny_sft, tmp_path, monkeypatch):
-    """The rollout worker generates step t+1's samples while the actor trains on step t's: from the second step on,
+    """The rollout worker (on a core of its own) generates step t+1's samples while the actor (on the other) trains on
+    step t's: from the second step on,
     the samples come from the weights one update behind the actor's (the old-log-prob pass measures the gap) and are
     ready when the step starts. A run killed after step 2 resumes with step 3's samples from the checkpoint (the
     weights that drew them are gone) and ends on the uninterrupted run's weights."""
     _, sft = tiny_sft
-    short = ["rl.rollout.asynchronous=true", "rl.batch.max_steps=3", "rl.checkpoint.every_steps=1", "rl.logging.eval_every=100",
+    short = ["rl.rollout.asynchronous=true", "rl.workers.colocate=pairs", "rl.workers.cpus_per_worker=1", "rl.batch.max_steps=3", "rl.checkpoint.every_steps=1", "rl.logging.eval_every=100",
              "rl.optim.lr=1e-3", "rl.generation.importance_cap=2.0"]
     straight = main(config(tmp_path / "a", *short), "rl", None, {"from": sft["uri"]})
     steps = [r for r in history(straight["uri"]) if "train/policy_loss" in r]

@@ -37,8 +37,6 @@ def test_sleep_mode_is_refused_off_gpus():
         rl("rl.generation.engine=vllm", "rl.generation.sleep=true", "rl.workers.gpus_per_worker=1", "rl.workers.colocate=pairs")
     ok = rl("rl.generation.engine=vllm", "rl.generation.sleep=true", "rl.workers.gpus_per_worker=1")
     assert ok.section("rl").generation.sleep
-    with pytest.raises(ConfigError, match="rollout.asynchronous generates while the trainers train.*generation.sleep: false"):
-        rl("rl.generation.engine=vllm", "rl.generation.sleep=true", "rl.workers.gpus_per_worker=1", "rl.rollout.asynchronous=true")
 
 
 def test_sleep_mode_engine_refuses_without_a_gpu(monkeypatch):
@@ -56,13 +54,22 @@ def test_vllm_options_need_the_vllm_engine():
 def test_the_actor_generates_when_the_layout_allows_and_says_why_not():
     assert rl().section("rl").hybrid  # tiny.yaml: HF engine, colocate all, ZeRO-0, one actor worker
     for setting, reason in [("rl.generation.engine=vllm", "generation.engine: hf"), ("rl.workers.colocate=pairs", "colocate: all"),
-                            ("rl.deepspeed.zero_stage=3", "zero_stage below 3"), ("rl.workers.actor=2", "generation.engines equal"),
-                            ("rl.rollout.asynchronous=true", "rollout.asynchronous: false")]:
+                            ("rl.deepspeed.zero_stage=3", "zero_stage below 3"), ("rl.workers.actor=2", "generation.engines equal")]:
         assert not rl(setting).section("rl").hybrid  # auto: separate rollout workers
         with pytest.raises(ConfigError, match=f"workers.hybrid: true generates in the actor workers, which needs .*{reason}"):
             rl(setting, "rl.workers.hybrid=true")
     assert not rl("rl.workers.hybrid=false").section("rl").hybrid
     assert rl("rl.workers.actor=2", "rl.generation.engines=2", "rl.deepspeed.zero_stage=2").section("rl").hybrid
+
+
+def test_asynchronous_rollout_needs_rollout_workers_on_devices_of_their_own():
+    asynchronous = ("rl.rollout.asynchronous=true", "rl.workers.colocate=pairs")
+    assert not rl(*asynchronous).section("rl").hybrid  # auto: the actor cannot train and generate at once
+    with pytest.raises(ConfigError, match="workers.hybrid: true generates in the actor workers, which needs rollout.asynchronous: false"):
+        rl(*asynchronous, "rl.workers.hybrid=true")
+    for extra in ([], ["rl.generation.engine=vllm", "rl.generation.sleep=true", "rl.workers.gpus_per_worker=1"]):
+        with pytest.raises(ConfigError, match="rollout.asynchronous generates while the trainers train: .*workers.colocate: pairs or none"):
+            rl("rl.rollout.asynchronous=true", *extra)  # colocate: all, the default
 
 
 def test_stop_tokens_end_a_response_like_eos(tiny_model_path, tokenizer):

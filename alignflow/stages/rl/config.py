@@ -180,9 +180,9 @@ class RolloutConfig(Frozen):
         False, description="One step off-policy (OpenRLHF's async training): the rollout workers generate step t+1's "
                            "samples with the weights of step t while the actor trains on step t's; the old-log-prob "
                            "pass runs every step, and with `generation.importance_cap` truncated importance sampling "
-                           "corrects for the staleness. Needs "
-                           "separate rollout workers (not the hybrid layout). Pays where generation and training run "
-                           "on different devices; on a small CPU they share the cores.", json_schema_extra=HASHED_WHEN_SET)
+                           "corrects for the staleness. Needs rollout workers on devices of their own "
+                           "(`workers.colocate: pairs` or `none`). Pays where the devices would otherwise wait; on a "
+                           "small CPU it splits the cores.", json_schema_extra=HASHED_WHEN_SET)
 
 
 class WorkersConfig(Frozen):
@@ -257,9 +257,11 @@ class RLConfig(TrainingSection):
         if self.workers.hybrid is True and self.hybrid_blocker():
             raise ValueError(f"workers.hybrid: true generates in the actor workers, which needs {self.hybrid_blocker()}; "
                              "set workers.hybrid: auto or false")
-        if self.rollout.asynchronous and self.generation.sleep:
-            raise ValueError("rollout.asynchronous generates while the trainers train, so the engines cannot give them "
-                             "their memory meanwhile: set generation.sleep: false (or rollout.asynchronous: false)")
+        if self.rollout.asynchronous and self.workers.colocate == "all":
+            raise ValueError("rollout.asynchronous generates while the trainers train: give the rollout workers CPUs or GPUs "
+                             "of their own with workers.colocate: pairs or none (with `all` they share the trainers' and "
+                             "slow each other down, 4x on a 2-core CPU; generation.sleep, which needs `all`, is for "
+                             "engines that wait while the trainers train)")
         if self.generation.sleep and (not self.workers.gpus_per_worker or self.workers.colocate != "all"):
             raise ValueError("generation.sleep frees the vLLM engines' GPU memory while colocated roles train: it needs "
                              f"workers.gpus_per_worker > 0 and workers.colocate: all (got {self.workers.gpus_per_worker} "
