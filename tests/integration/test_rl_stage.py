@@ -116,7 +116,7 @@ def test_asynchronous_rollout_trains_one_step_behind_and_resumes_exactly(tiny_sf
           f"{[round(r.get('phase/generate_ahead_s', 0), 2) for r in steps]} s in the background")
     assert gap[0] < 1e-5 and min(gap[1:]) > 1e-4  # step 1 is sampled by the actor's weights, later steps one update behind
     assert all(r["train/old_logprob_pass"] == 1.0 for r in steps)
-    assert all(r["phase/generate_and_score_s"] < 0.05 < r["phase/generate_ahead_s"] for r in steps[1:])
+    assert all(r["phase/generate_and_score_s"] < 0.5 * r["phase/generate_ahead_s"] for r in steps[1:])  # ready when taken
     cfg = config(tmp_path / "b", *short)
     monkeypatch.setenv(FAIL_AT_STEP_ENV, "2")
     with pytest.raises(InjectedFailure):
@@ -127,6 +127,8 @@ def test_asynchronous_rollout_trains_one_step_behind_and_resumes_exactly(tiny_sf
     a, b = weights(straight["uri"]), weights(resumed["uri"])
     for name in a:
         assert torch.equal(a[name], b[name]), name
+    key = lambda h: [(r["step"], r.get("reward/mean"), r.get("train/logprob_mismatch")) for r in h]  # noqa: E731
+    assert key(history(straight["uri"])) == key(history(resumed["uri"]))  # the same samples, as stale
 
 
 def test_bad_reward_function_fails_naming_the_sample(tiny_sft, tmp_path):

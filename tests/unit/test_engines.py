@@ -70,6 +70,10 @@ def test_asynchronous_rollout_needs_rollout_workers_on_devices_of_their_own():
     for extra in ([], ["rl.generation.engine=vllm", "rl.generation.sleep=true", "rl.workers.gpus_per_worker=1"]):
         with pytest.raises(ConfigError, match="rollout.asynchronous generates while the trainers train: .*workers.colocate: pairs or none"):
             rl("rl.rollout.asynchronous=true", *extra)  # colocate: all, the default
+    ppo = lambda *o: load_config(ROOT / "configs" / "tiny-ppo.yaml", ["rl.rollout.asynchronous=true", *o])  # noqa: E731
+    with pytest.raises(ConfigError, match="scores the next step's samples with the reward model while the critic trains.*colocate: none"):
+        ppo("rl.workers.colocate=pairs")
+    assert ppo("rl.workers.colocate=none").section("rl").rollout.asynchronous
 
 
 def test_stop_tokens_end_a_response_like_eos(tiny_model_path, tokenizer):

@@ -2,6 +2,7 @@
 
 import json
 import math
+import re
 
 import pytest
 
@@ -102,6 +103,32 @@ def test_reward_function_errors_name_the_sample(tmp_path):
         FunctionReward(reward_file(tmp_path, "x = 1\n"))
     with pytest.raises(RewardError, match=r"importing .*reward\.py \(the file of function 'score'\) failed: ModuleNotFoundError"):
         FunctionReward(reward_file(tmp_path, "import no_such_module_xyz\n"))
+
+
+def test_a_reward_function_that_needs_the_main_thread_says_so_off_it(tmp_path):
+    """Asynchronous rollout scores in a background thread, where `signal.signal` (math_verify's timeout) raises."""
+    import threading
+
+    alarm = FunctionReward(reward_file(tmp_path, "import signal\n"
+                                                 "def score(prompts, completions, **kw):\n"
+                                                 "    signal.signal(signal.SIGALRM, signal.getsignal(signal.SIGALRM))\n"
+                                                 "    return [0.0 for _ in completions]\n"))
+    assert call(alarm, ["a"]).tolist() == [0.0]  # the main thread
+    raised: list[BaseException] = []
+    thread = threading.Thread(target=lambda: raised.extend(_raises(lambda: call(alarm, ["a"]))))
+    thread.start()
+    thread.join()
+    assert isinstance(raised[0], RewardError)
+    assert re.search(r"works only in the main thread \(ValueError: signal only works in main thread.*"
+                     r"rl.rollout.asynchronous: false", str(raised[0]))
+
+
+def _raises(fn) -> list[BaseException]:
+    try:
+        fn()
+    except BaseException as exc:  # noqa: BLE001 (handed back to the test's thread)
+        return [exc]
+    return []
 
 
 def test_shipped_reward_and_overlong_penalty():

@@ -257,6 +257,9 @@ class RLConfig(TrainingSection):
         if self.workers.hybrid is True and self.hybrid_blocker():
             raise ValueError(f"workers.hybrid: true generates in the actor workers, which needs {self.hybrid_blocker()}; "
                              "set workers.hybrid: auto or false")
+        if self.rollout.asynchronous and self.reward.model and self.workers.colocate == "pairs":
+            raise ValueError("rollout.asynchronous scores the next step's samples with the reward model while the critic "
+                             "trains, and workers.colocate: pairs puts the two in one bundle: set workers.colocate: none")
         if self.rollout.asynchronous and self.workers.colocate == "all":
             raise ValueError("rollout.asynchronous generates while the trainers train: give the rollout workers CPUs or GPUs "
                              "of their own with workers.colocate: pairs or none (with `all` they share the trainers' and "

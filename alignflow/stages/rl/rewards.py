@@ -13,6 +13,7 @@ A bad reward is never turned into a silent zero.
 from __future__ import annotations
 
 import importlib.util
+import threading
 from pathlib import Path
 from typing import Any, Callable
 
@@ -66,6 +67,11 @@ class FunctionReward:
         try:
             values = list(self.fn(**args))
         except Exception as exc:
+            if threading.current_thread() is not threading.main_thread() and "main thread" in str(exc):
+                raise RewardError(f"reward function {self.spec} works only in the main thread ({type(exc).__name__}: {exc}), "
+                                  "e.g. with a signal-based timeout such as math_verify's; with rl.rollout.asynchronous it "
+                                  "runs in a background thread: use a timeout without signals, or set "
+                                  "rl.rollout.asynchronous: false") from exc
             raise self._first_failure(args, exc) from exc
         return checked_scores(values, f"reward function {self.spec}", prompts, completions)
 
