@@ -116,6 +116,9 @@ def test_asynchronous_rollout_trains_one_step_behind_and_resumes_exactly(tiny_sf
           f"{[round(r.get('phase/generate_ahead_s', 0), 2) for r in steps]} s in the background")
     assert gap[0] < 1e-5 and min(gap[1:]) > 1e-4  # step 1 is sampled by the actor's weights, later steps one update behind
     assert all(r["train/old_logprob_pass"] == 1.0 for r in steps)
+    # the job's memory: the driver's and both workers' peaks, each worker's above its own report
+    print(f"peak RSS: job {straight['metrics']['memory/peak_rss_mib']:.0f} MiB, actor {max(r['train/actor_peak_rss_mib'] for r in steps):.0f} MiB")
+    assert straight["metrics"]["memory/peak_rss_mib"] > 2 * max(r["train/actor_peak_rss_mib"] for r in steps)
     assert all(r["phase/generate_and_score_s"] < 0.5 * r["phase/generate_ahead_s"] for r in steps[1:])  # ready when taken
     cfg = config(tmp_path / "b", *short)
     monkeypatch.setenv(FAIL_AT_STEP_ENV, "2")

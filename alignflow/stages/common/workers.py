@@ -124,6 +124,11 @@ class Worker:
         torch.set_num_threads(threads)
         self.rank, self.world_size = rank, world_size
 
+    def peak_rss_mib(self) -> float:
+        from alignflow.stages.common.progress import peak_rss_mib
+
+        return peak_rss_mib()
+
     def rendezvous(self) -> tuple[str, int]:
         import ray
 

@@ -37,6 +37,7 @@ from alignflow.infra import manifest, storage
 from alignflow.stages.common.data import global_batch
 from alignflow.stages.common.generation import Rollout, SamplingParams
 from alignflow.stages.common.models import fetch_published_model, load_tokenizer
+from alignflow.stages.common.progress import peak_rss_mib
 from alignflow.stages.common.publish import Files, finish_publish, publish_dir
 from alignflow.stages.common.run import TrainingRun, total_steps
 from alignflow.stages.common.workers import WorkerGroup, connect_ray, plan_slots, release
@@ -91,6 +92,7 @@ def main(cfg: PipelineConfig, stage: str, output_uri: str | None = None, inputs:
 
         # -------------------------------------------------------------- train
         run.train(loop.step, loop.evaluate, state=loop.state)
+        run.timings["memory/peak_rss_mib"] = roles.peak_rss_mib()
 
         # -------------------------------------------------------------- publish
         return run.publish(tokenizer, CURVES, stats)
@@ -237,6 +239,11 @@ class Roles:
         refs = [(w.adapter if adapter else w.weights).remote() for w in self.actor.workers]  # a collective: every rank gathers
         self.rollout.call("load_adapter" if adapter else "load_weights", refs[0])
         ray.get(refs[1:])
+
+    def peak_rss_mib(self) -> float:
+        """The job's memory: the driver's peak resident memory plus every worker's, summed (an upper bound: the
+        peaks need not coincide, and shared pages count once per process)."""
+        return peak_rss_mib() + sum(sum(group.call("peak_rss_mib")) for group in self.groups.values())
 
     def shutdown(self) -> None:
         """Kill every worker and free their placement groups; a second call does nothing."""
