@@ -12,11 +12,12 @@ or reward model, or multi-turn episodes with an environment; overlong penalty; d
 sampling) -> old / reference log-probs and values -> KL and advantages (pure functions) ->
 train actor (and critic) -> push the actor's weights to the rollout workers -> log ->
 checkpoint. With `rollout.asynchronous`, the rollout workers generate and the driver scores
-the next step's samples in a thread while this step's run through the trainers (one step
-off-policy, as OpenRLHF's async training); the push waits for them. Checkpoints hold the actor's and critic's DeepSpeed states and RNGs and, in the
-actor's client state, the driver's (metric history, adaptive KL coefficient); prompts and
-sampling seeds are functions of (seed, step), so a resumed run continues exactly (an asynchronous
-run's checkpoint also holds the next step's samples: the weights that drew them are gone).
+the next step's samples in a thread while this step's go through the trainers (one step
+off-policy, as OpenRLHF's async training); the push waits for them. Checkpoints hold the
+actor's and critic's DeepSpeed states and RNGs and, in the actor's client state, the driver's
+(metric history, adaptive KL coefficient); prompts and sampling seeds are functions of (seed,
+step), so a resumed run continues exactly (an asynchronous run's checkpoint also holds the next
+step's samples: the weights that drew them are gone).
 """
 
 from __future__ import annotations
