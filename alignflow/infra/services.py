@@ -174,6 +174,18 @@ def start_all(*starts: Callable[[], Service]) -> list[Service]:
     return up
 
 
+# Intel MKL (torch's BLAS on x86) chooses among code paths at run time, so two processes can multiply the same
+# matrices 1e-7 apart: a resumed RL run then ended 1e-6 off the uninterrupted run's weights. Its conditional numerical
+# reproducibility mode, AUTO (this CPU's fastest path, chosen the same way every time), keeps every process of a
+# Ray alignflow starts on one path. A value the user set wins.
+REPRODUCIBLE_MATH = {"MKL_CBWR": "AUTO"}
+
+
+def reproducible_math_env() -> dict[str, str]:
+    """The variables that make the native math libraries give the same bits in every process (see above)."""
+    return {key: os.environ.get(key, value) for key, value in REPRODUCIBLE_MATH.items()}
+
+
 def start_ray_head(num_cpus: int | None = None, base: str | None = None, timeout: float = 120) -> Service:
     """A private Ray head; `url` is its dashboard / Jobs API on 127.0.0.1."""
     home = _home("ray", base)
@@ -190,7 +202,7 @@ def start_ray_head(num_cpus: int | None = None, base: str | None = None, timeout
            # Ray 2.60 turns token auth on by itself when ~/.ray/auth_token exists (any local `ray.init()`
            # writes one), and then our Jobs API client and health checks would be refused. The mode is set
            # explicitly instead; set RAY_AUTH_MODE=token (with RAY_AUTH_TOKEN) to run the head with auth.
-           "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled")}
+           "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled"), **reproducible_math_env()}
     server = _start_warm_server(home, env) if warm.available() else None
     if server is not None:
         env[warm.SOCKET_ENV] = str(home / "warm.sock")  # every job inherits it: its entry point hands itself over

@@ -33,3 +33,14 @@ def test_services_start_together_in_order_and_a_failure_stops_the_rest():
     with pytest.raises(RuntimeError, match="b did not come up"):
         start_all(start("a"), start("b", fail=True), start("c"))
     assert sorted(log) == ["stop a", "stop c"]
+
+
+def test_ray_processes_get_mkls_reproducible_mode_unless_the_user_chose_one(monkeypatch):
+    """Without it, a resumed RL run ended 1e-6 off the uninterrupted run's weights in 3 runs of 3
+    (tests/integration/test_rl_stage.py::test_killed_run_resumes_to_the_same_weights)."""
+    from alignflow.infra.services import reproducible_math_env
+
+    monkeypatch.delenv("MKL_CBWR", raising=False)
+    assert reproducible_math_env() == {"MKL_CBWR": "AUTO"}
+    monkeypatch.setenv("MKL_CBWR", "COMPATIBLE")
+    assert reproducible_math_env() == {"MKL_CBWR": "COMPATIBLE"}

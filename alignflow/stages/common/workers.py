@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from alignflow.infra.secrets import load_job_secrets, without_secrets
+from alignflow.infra.services import reproducible_math_env
 
 PLACEMENT_TIMEOUT_S = 120
 # Set on every worker: the CPUs of its bundle, read by the training seam (`strategy.py`). Defined
@@ -40,6 +41,7 @@ def connect_ray(num_cpus: int | None = None) -> Callable[[], None]:
         # Explicit, so a private instance neither writes ~/.ray/auth_token (which would switch every Ray
         # head started later on this machine to token auth) nor depends on one being there.
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+        os.environ.update(reproducible_math_env())  # the workers start from this environment
         temp = tempfile.mkdtemp(prefix="afray-", dir="/tmp")  # short: Ray's socket paths have a length limit
         ray.init(address="local", num_cpus=num_cpus or os.cpu_count(), include_dashboard=False, _temp_dir=temp,
                  log_to_driver=True, runtime_env={"env_vars": without_secrets({k: v for k, v in os.environ.items() if k.startswith(("ALIGNFLOW_", "AWS_", "HF_"))})})
