@@ -244,7 +244,9 @@ class Roles:
     def peak_rss_mib(self) -> float:
         """The job's memory: the driver's peak resident memory plus every worker's, summed (an upper bound: the
         peaks need not coincide, and shared pages count once per process)."""
-        return peak_rss_mib() + sum(sum(group.call("peak_rss_mib")) for group in self.groups.values())
+        import ray
+
+        return peak_rss_mib() + sum(ray.get([ref for group in self.groups.values() for ref in group.submit("peak_rss_mib")]))
 
     def shutdown(self) -> None:
         """Kill every worker and free their placement groups; a second call does nothing."""
