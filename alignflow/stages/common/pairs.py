@@ -89,9 +89,12 @@ def pair_logps(model, pairs: list[Pair], pad_id: int, device) -> dict[str, torch
 
 def pair_rewards(model, head: torch.nn.Module, pairs: list[Pair], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """(chosen, rejected) rewards of B pairs, one shared-prompt block each, read at each response's EOS."""
+    from alignflow.stages.common.last_layer import head_at
+
     batch = collate_pairs(pairs, pad_id).to(device)
-    scores = token_scores(model, head, batch.input_ids, batch.attention_mask, batch.position_ids).flatten()
-    return scores[batch.chosen_end], scores[batch.rejected_end]
+    scores = head_at(model, head, batch.input_ids, batch.attention_mask, batch.position_ids,
+                     torch.cat([batch.chosen_end, batch.rejected_end]))
+    return scores[:len(pairs)], scores[len(pairs):]
 
 
 def token_scores(model, head: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,

@@ -1,0 +1,95 @@
+"""A scalar head read at a few positions, with the model's last layer computed only there.
+
+A reward model's score is read at one position per response (its EOS), but a plain forward runs the last decoder
+layer's attention output, MLP and final norm at every position. Their outputs anywhere else are thrown away: the
+last layer's keys and values are all that the read positions need from the others. So the body runs up to the last
+layer, whose keys and values are computed at every position and everything else only at the read positions. On
+`builtin:tiny` (4 layers) that is a quarter of the body's work per pair, in forward and backward. The result is the
+same function; only float rounding differs (a test compares scores and gradients with the full forward).
+
+The shortcut knows the Llama-style decoder layer (Llama, Qwen2 and Mistral without a sliding window: pre-norm,
+rotary, grouped-query attention, gated MLP). Any other model, or one whose attention it cannot reproduce, takes the
+full forward.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.nn.functional as F
+
+LLAMA_STYLE_LAYERS = {"LlamaDecoderLayer", "Qwen2DecoderLayer", "MistralDecoderLayer"}
+
+
+def decoder_body(model) -> torch.nn.Module | None:
+    """The decoder stack (`layers`, `norm`) under a DeepSpeed engine, PEFT and the task head; None if not found."""
+    module = getattr(model, "module", model)
+    if hasattr(module, "get_base_model"):
+        module = module.get_base_model()
+    body = getattr(module, getattr(module, "base_model_prefix", "model"), None)
+    return body if hasattr(body, "layers") and hasattr(body, "norm") else None
+
+
+def shortcut_applies(body: torch.nn.Module | None) -> bool:
+    if body is None or not len(body.layers):
+        return False
+    layer, config = body.layers[-1], body.config
+    attention = getattr(layer, "self_attn", None)
+    return (type(layer).__name__ in LLAMA_STYLE_LAYERS
+            and all(hasattr(attention, name) for name in ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling"))
+            and getattr(config, "_attn_implementation", None) in ("sdpa", "eager")
+            and not (attention.training and getattr(config, "attention_dropout", 0.0))
+            and not getattr(config, "use_sliding_window", False)
+            and (type(layer).__name__ != "MistralDecoderLayer" or getattr(config, "sliding_window", None) is None))
+
+
+def head_at(model, head: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+            at: torch.Tensor) -> torch.Tensor:
+    """(N,) output of the scalar `head` at the flat positions `at` of the (R, T) rows. `attention_mask` is the
+    (R, 1, T, T) boolean mask (True: may attend) the rows are run with."""
+    body = decoder_body(model)
+    if not shortcut_applies(body):
+        from alignflow.stages.common.pairs import token_scores
+
+        return token_scores(model, head, input_ids, attention_mask, position_ids).flatten()[at]
+    hidden, rotary = hidden_before_last_layer(body, input_ids, attention_mask, position_ids)
+    width = input_ids.shape[1]
+    out = last_layer_at(body.layers[-1], hidden, rotary, attention_mask, at // width, at % width)
+    return head(body.norm(out))[..., 0].float()
+
+
+def hidden_before_last_layer(body, input_ids, attention_mask, position_ids) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """The last layer's input (R, T, C) and the rotary (cos, sin) the body gives it: the body runs with its last layer
+    and final norm passed through (their own module calls stay, so DeepSpeed's and PEFT's hooks see them)."""
+    last, captured = body.layers[-1], {}
+
+    def skip_layer(hidden_states, *args, **kwargs):
+        captured.update(hidden=hidden_states, rotary=kwargs["position_embeddings"])
+        return hidden_states
+
+    last.forward, body.norm.forward = skip_layer, lambda hidden_states: hidden_states
+    try:
+        body(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+    finally:
+        del last.forward, body.norm.forward  # back to the class's methods
+    return captured["hidden"], captured["rotary"]
+
+
+def last_layer_at(layer, hidden: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor,
+                  rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    """(N, C) output of a Llama-style decoder `layer` at positions (rows, cols) of `hidden` (R, T, C)."""
+    attention, (cos, sin) = layer.self_attn, rotary
+    rotate_half = sys.modules[type(layer).__module__].rotate_half
+    rope = lambda x, c, s: x * c + rotate_half(x) * s  # noqa: E731  (Su et al. 2021, as the layer's own apply_rotary_pos_emb)
+    R, T, _ = hidden.shape
+    x = layer.input_layernorm(hidden)
+    keys = rope(attention.k_proj(x).view(R, T, -1, attention.head_dim).transpose(1, 2), cos[:, None], sin[:, None])
+    values = attention.v_proj(x).view(R, T, -1, attention.head_dim).transpose(1, 2)  # (R, Hkv, T, D)
+    n = rows.numel()
+    queries = attention.q_proj(x[rows, cols]).view(n, -1, 1, attention.head_dim)  # (N, H, 1, D)
+    queries = rope(queries, cos[rows, cols][:, None, None], sin[rows, cols][:, None, None])
+    attended = F.scaled_dot_product_attention(queries, keys[rows], values[rows], attn_mask=mask[rows, :, cols][:, :, None],
+                                              scale=attention.scaling, enable_gqa=True)
+    out = hidden[rows, cols] + attention.o_proj(attended.reshape(n, -1))
+    return out + layer.mlp(layer.post_attention_layernorm(out))
