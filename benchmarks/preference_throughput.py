@@ -179,7 +179,7 @@ def worker_alignflow(args: argparse.Namespace) -> dict[str, Any]:
         f"{s}.optim.scheduler=cosine",
         f"{s}.optim.min_lr_ratio={MIN_LR_RATIO}",
         f"{s}.deepspeed.zero_stage=0",
-        f"{s}.deepspeed.precision=fp32",
+        f"{s}.deepspeed.precision={args.precision}",
         f"{s}.logging.eval_every={NEVER}",
         f"{s}.logging.log_every={NEVER}",
         f"{s}.logging.progress=false",
@@ -287,7 +287,7 @@ def worker_trl(args: argparse.Namespace) -> dict[str, Any]:
         warmup_steps=LR_WARMUP,
         lr_scheduler_type="cosine_with_min_lr",
         lr_scheduler_kwargs={"min_lr_rate": MIN_LR_RATIO},
-        bf16=False, fp16=False, gradient_checkpointing=False,
+        bf16=args.precision == "bf16", fp16=False, gradient_checkpointing=False,  # bf16: autocast, fp32 weights
         use_cpu=True,
         eval_strategy="no", save_strategy="no", report_to="none",
         logging_steps=1, disable_tqdm=True,
@@ -476,7 +476,7 @@ def summarise(result: dict[str, Any], warmup: int, steps_per_epoch: int) -> dict
 def worker_command(args: argparse.Namespace, stage: str, framework: str, out: Path, tmp: Path) -> list[str]:
     return [
         sys.executable, str(Path(__file__).resolve()), "--worker", framework, "--stage", stage,
-        "--steps", str(args.steps), "--warmup", str(args.warmup), "--model", args.model,
+        "--steps", str(args.steps), "--warmup", str(args.warmup), "--model", args.model, "--precision", args.precision,
         "--data", str(args.data), "--config", str(args.config), "--threads", str(args.threads),
         "--tmp", str(tmp), "--worker-out", str(out),
     ]
@@ -560,7 +560,7 @@ def markdown(stage: str, rows: list[dict[str, Any]], args: argparse.Namespace, m
     title = "DPO" if stage == "dpo" else "Reward model"
     lines = [
         f"{title} throughput, model `{args.model}`, {GLOBAL_BATCH} pairs/step ({MICRO_BATCH} x {GLOBAL_BATCH // MICRO_BATCH} accumulation), "
-        f"max length {MAX_LEN}, fp32, {args.threads} torch threads, {args.steps} timed steps after {args.warmup} warmup steps"
+        f"max length {MAX_LEN}, {args.precision}, {args.threads} torch threads, {args.steps} timed steps after {args.warmup} warmup steps"
         + (f", median of {args.repeats} runs" if args.repeats > 1 else "") + (f" ({meta['versions']})" if meta["versions"] else ""),
         "",
     ]
@@ -696,6 +696,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=57, help="timed optimizer steps (default 57: with --warmup 5, one epoch of 62)")
     p.add_argument("--warmup", type=int, default=5, help="untimed optimizer steps before them (default 5)")
     p.add_argument("--model", default="builtin:tiny", help="builtin:tiny (default), builtin:small, or a local HF folder")
+    p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
+                   help="bf16: alignflow's deepspeed.precision=bf16 (bf16 weights, fp32 master weights in the optimizer) "
+                        "against TRL's bf16=True (autocast over fp32 weights); matmuls run on AMX or AVX-512 BF16 where the CPU has them")
     p.add_argument("--json", default=None, metavar="PATH", help="also write all figures and per-step records here")
     p.add_argument("--repeats", type=int, default=1, help="runs per setting, round-robin; the table shows medians")
     p.add_argument("--frameworks", default=None,

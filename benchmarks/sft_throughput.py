@@ -192,7 +192,7 @@ def worker_alignflow(args: argparse.Namespace) -> dict[str, Any]:
         "sft.optim.scheduler=cosine",
         f"sft.optim.min_lr_ratio={MIN_LR_RATIO}",
         "sft.deepspeed.zero_stage=0",
-        "sft.deepspeed.precision=fp32",
+        f"sft.deepspeed.precision={args.precision}",
         f"sft.logging.eval_every={NEVER}",  # eval runs only before step 1 and after the last step
         f"sft.logging.log_every={NEVER}",
         "sft.logging.progress=false",
@@ -272,7 +272,7 @@ def worker_trl(args: argparse.Namespace) -> dict[str, Any]:
         warmup_steps=LR_WARMUP,
         lr_scheduler_type="cosine_with_min_lr",
         lr_scheduler_kwargs={"min_lr_rate": MIN_LR_RATIO},
-        bf16=False, fp16=False, gradient_checkpointing=False,
+        bf16=args.precision == "bf16", fp16=False, gradient_checkpointing=False,  # bf16: autocast, fp32 weights
         use_cpu=True,
         eval_strategy="no", save_strategy="no", report_to="none",
         logging_steps=1, disable_tqdm=True,
@@ -400,7 +400,7 @@ def worker_command(args: argparse.Namespace, framework: str, packing: bool, out:
     return [
         sys.executable, str(Path(__file__).resolve()), "--worker", framework,
         "--packing", "on" if packing else "off",
-        "--steps", str(args.steps), "--warmup", str(args.warmup), "--model", args.model,
+        "--steps", str(args.steps), "--warmup", str(args.warmup), "--model", args.model, "--precision", args.precision,
         "--data", str(args.data), "--config", str(args.config), "--threads", str(args.threads),
         "--tmp", str(tmp), "--worker-out", str(out),
     ]
@@ -478,7 +478,7 @@ def markdown(rows: list[dict[str, Any]], args: argparse.Namespace, meta: dict[st
     fmt = lambda v, spec: "n/a" if v is None else format(v, spec)  # noqa: E731
     lines = [
         f"SFT throughput, model `{args.model}`, {GLOBAL_BATCH} rows/step ({MICRO_BATCH} x {GLOBAL_BATCH // MICRO_BATCH} accumulation), "
-        f"max length {MAX_LEN}, fp32, {args.threads} torch threads, {args.steps} timed steps after {args.warmup} warmup steps"
+        f"max length {MAX_LEN}, {args.precision}, {args.threads} torch threads, {args.steps} timed steps after {args.warmup} warmup steps"
         + (f", median of {args.repeats} runs" if args.repeats > 1 else "") + (f" ({meta['versions']})" if meta["versions"] else ""),
         "",
         "| framework | packing | timed steps | tokens/step | tokens/s | vs TRL (same packing) | loop wall (s) | tokens/s (loop wall) | loss first -> last | peak RSS (MiB) | other CPU load | command |",
@@ -580,6 +580,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--frameworks", default="alignflow,trl",
                    help="comma list of alignflow,alignflow-full (log-probs from the model's full logits),trl")
     p.add_argument("--packing-modes", default="off,on", help="comma list of off,on")
+    p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
+                   help="bf16: alignflow's deepspeed.precision=bf16 (bf16 weights, fp32 master weights in the optimizer) "
+                        "against TRL's bf16=True (autocast over fp32 weights); matmuls run on AMX or AVX-512 BF16 where the CPU has them")
     p.add_argument("--wait-idle", type=float, default=0, metavar="SECONDS",
                    help="before each run, wait up to this long for other processes to leave the CPU idle (default 0: do not wait)")
     p.add_argument("--keep-workdir", action="store_true", help="keep the worker folders (logs, published models) instead of deleting them")
