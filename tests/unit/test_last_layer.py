@@ -89,3 +89,30 @@ def test_lora_models_take_the_shortcut_and_other_layers_the_full_forward(batch, 
     dropout = reward_model(tiny_model_path, tokenizer.pad_token_id, attention_dropout=0.1)
     monkeypatch.undo()
     assert not shortcut_applies(decoder_body(dropout))  # training-time attention dropout is the full forward's to draw
+
+
+def test_log_probs_with_the_last_mlp_at_the_read_positions_match_the_full_logits(batch, tiny_model_path):
+    from transformers import AutoModelForCausalLM
+
+    from alignflow.stages.common.logprobs import logprobs_at
+
+    b, _ = batch
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path).train()
+    inputs = {"input_ids": b.input_ids, "attention_mask": b.attention_mask, "position_ids": b.position_ids}
+    rows, width = b.input_ids.shape
+    at = b.source + torch.arange(rows)[:, None] * width
+    keep = (b.chosen_mask + b.rejected_mask).sum(0).ne(0).view(rows, width)
+    assert 0 < keep.float().mean() < 0.8  # some positions are not read
+
+    def full():
+        logits = model(**inputs).logits.flatten(0, 1)[at.flatten()].log_softmax(-1)
+        return logits.gather(-1, b.input_ids.flatten()[:, None])[:, 0].view(rows, width) * keep
+
+    want, want_grads = scores_and_grads(model, lambda: full().flatten())
+    got, got_grads = scores_and_grads(model, lambda: logprobs_at(model, inputs, at, b.input_ids, keep=keep)[0].flatten())
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    for name, grad in want_grads.items():
+        torch.testing.assert_close(got_grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)
+    body = decoder_body(model)
+    assert "forward" not in vars(body.layers[-1]) and "forward" not in vars(body.norm)

@@ -10,11 +10,17 @@ same function; only float rounding differs (a test compares scores and gradients
 The shortcut knows the Llama-style decoder layer (Llama, Qwen2 and Mistral without a sliding window: pre-norm,
 rotary, grouped-query attention, gated MLP). Any other model, or one whose attention it cannot reproduce, takes the
 full forward.
+
+Log-probs (`logprobs.logprobs_at`) are read at many positions (every response token), so there the last layer's
+attention runs as the model's own, at every position, and only its MLP and the final norm are deferred to the read
+positions (`deferred_last_mlp`, `finish_last_layer`): on SFT's data, where 71% of the tokens are prompt, that is
+most of the last layer's MLP.
 """
 
 from __future__ import annotations
 
 import sys
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -22,22 +28,32 @@ import torch.nn.functional as F
 LLAMA_STYLE_LAYERS = {"LlamaDecoderLayer", "Qwen2DecoderLayer", "MistralDecoderLayer"}
 
 
+def unwrapped(model) -> torch.nn.Module:
+    """The transformers model under a DeepSpeed engine and PEFT (whose adapters live inside its layers)."""
+    module = getattr(model, "module", model)
+    return module.get_base_model() if hasattr(module, "get_base_model") else module
+
+
 def decoder_body(model) -> torch.nn.Module | None:
     """The decoder stack (`layers`, `norm`) under a DeepSpeed engine, PEFT and the task head; None if not found."""
-    module = getattr(model, "module", model)
-    if hasattr(module, "get_base_model"):
-        module = module.get_base_model()
+    module = unwrapped(model)
     body = getattr(module, getattr(module, "base_model_prefix", "model"), None)
     return body if hasattr(body, "layers") and hasattr(body, "norm") else None
 
 
+def llama_style(body: torch.nn.Module | None) -> bool:
+    """A pre-norm decoder whose last layer is attention + residual, then MLP + residual."""
+    return (body is not None and len(body.layers) > 0 and type(body.layers[-1]).__name__ in LLAMA_STYLE_LAYERS
+            and all(hasattr(body.layers[-1], name) for name in ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")))
+
+
 def shortcut_applies(body: torch.nn.Module | None) -> bool:
-    if body is None or not len(body.layers):
+    """`llama_style`, with an attention `last_layer_at` reproduces (its own projections, rotary, no dropout or window)."""
+    if not llama_style(body):
         return False
     layer, config = body.layers[-1], body.config
-    attention = getattr(layer, "self_attn", None)
-    return (type(layer).__name__ in LLAMA_STYLE_LAYERS
-            and all(hasattr(attention, name) for name in ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling"))
+    attention = layer.self_attn
+    return (all(hasattr(attention, name) for name in ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling"))
             and getattr(config, "_attn_implementation", None) in ("sdpa", "eager")
             and not (attention.training and getattr(config, "attention_dropout", 0.0))
             and not getattr(config, "use_sliding_window", False)
@@ -53,26 +69,23 @@ def head_at(model, head: torch.nn.Module, input_ids: torch.Tensor, attention_mas
         from alignflow.stages.common.pairs import token_scores
 
         return token_scores(model, head, input_ids, attention_mask, position_ids).flatten()[at]
-    hidden, rotary = hidden_before_last_layer(body, input_ids, attention_mask, position_ids)
+    hidden, rotary = hidden_before_last_layer(model, body, head, input_ids, attention_mask, position_ids)
     width = input_ids.shape[1]
     out = last_layer_at(body.layers[-1], hidden, rotary, attention_mask, at // width, at % width)
     return head(body.norm(out))[..., 0].float()
 
 
-def hidden_before_last_layer(body, input_ids, attention_mask, position_ids) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-    """The last layer's input (R, T, C) and the rotary (cos, sin) the body gives it: the body runs with its last layer
-    and final norm passed through (their own module calls stay, so DeepSpeed's and PEFT's hooks see them)."""
-    last, captured = body.layers[-1], {}
+def hidden_before_last_layer(model, body, head, input_ids, attention_mask, position_ids) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """The last layer's input (R, T, C) and the rotary (cos, sin) the body gives it. The model's own forward runs (what
+    a DeepSpeed engine hangs on it still happens) with its last layer, final norm and head passed through."""
+    captured = {}
 
     def skip_layer(hidden_states, *args, **kwargs):
         captured.update(hidden=hidden_states, rotary=kwargs["position_embeddings"])
         return hidden_states
 
-    last.forward, body.norm.forward = skip_layer, lambda hidden_states: hidden_states
-    try:
-        body(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
-    finally:
-        del last.forward, body.norm.forward  # back to the class's methods
+    with replaced(body.layers[-1], skip_layer), replaced(body.norm, identity), replaced(head, identity):
+        model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
     return captured["hidden"], captured["rotary"]
 
 
@@ -93,3 +106,40 @@ def last_layer_at(layer, hidden: torch.Tensor, rotary: tuple[torch.Tensor, torch
                                               scale=attention.scaling, enable_gqa=True)
     out = hidden[rows, cols] + attention.o_proj(attended.reshape(n, -1))
     return out + layer.mlp(layer.post_attention_layernorm(out))
+
+
+@contextmanager
+def deferred_last_mlp(body: torch.nn.Module | None):
+    """Inside, the model's forward ends after its last layer's attention (and residual): the last layer's MLP and the
+    final norm are left to `finish_last_layer`, on the rows that are read. A no-op where `body` is None."""
+    if body is None:
+        yield
+        return
+    last = body.layers[-1]
+
+    def attention_only(hidden_states, **kwargs):
+        attended, _ = last.self_attn(hidden_states=last.input_layernorm(hidden_states), **kwargs)
+        return hidden_states + attended
+
+    with replaced(last, attention_only), replaced(body.norm, identity):
+        yield
+
+
+def finish_last_layer(body: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """(N, C) rows after the last layer's attention -> the model's final hidden states at those rows."""
+    last = body.layers[-1]
+    return body.norm(hidden + last.mlp(last.post_attention_layernorm(hidden)))
+
+
+@contextmanager
+def replaced(module: torch.nn.Module, forward):
+    """`module` runs `forward` instead of its class's method; its own call (and every hook on it) stays."""
+    module.forward = forward  # an instance attribute: found before the class's method
+    try:
+        yield
+    finally:
+        del module.forward
+
+
+def identity(x: torch.Tensor) -> torch.Tensor:
+    return x

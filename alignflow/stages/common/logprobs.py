@@ -9,11 +9,11 @@ logits are used as they come.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-
 import torch
 import torch.nn.functional as F
 
+from alignflow.stages.common.last_layer import (decoder_body, deferred_last_mlp, finish_last_layer, identity, llama_style, replaced,
+                                                     unwrapped)
 from alignflow.stages.common.lm_head import gather_rows, head_logprobs
 
 # Model types whose `...ForCausalLM` computes logits = lm_head(last hidden state): no soft-capping, scaling or bias tricks.
@@ -53,9 +53,7 @@ def plain_head(model: torch.nn.Module) -> torch.nn.Linear | None:
     """The LM head of a causal LM, a DeepSpeed engine around one, or a PEFT model; None where the logits are more
     than a plain linear head of the last hidden state, or where the head's weight is not here whole (a LoRA-wrapped
     head, a ZeRO-3 shard)."""
-    hf = getattr(model, "module", model)  # a DeepSpeed engine's model
-    if hasattr(hf, "get_base_model"):  # PEFT: the adapters live inside the base model's layers
-        hf = hf.get_base_model()
+    hf = unwrapped(model)
     if getattr(getattr(hf, "config", None), "model_type", None) not in PLAIN_HEAD_MODELS:
         return None
     head = hf.get_output_embeddings()
@@ -64,20 +62,11 @@ def plain_head(model: torch.nn.Module) -> torch.nn.Linear | None:
     return head
 
 
-@contextmanager
 def passing_through(head: torch.nn.Module):
     """The head returns its input: the model's forward then gives the last hidden state as its `logits`. The forward
     itself still runs, so what a DeepSpeed engine hangs on it (the backward prologue its ZeRO optimizers need)
     still happens."""
-    head.forward = _identity  # an instance attribute: found before the class's method
-    try:
-        yield
-    finally:
-        del head.forward
-
-
-def _identity(x: torch.Tensor) -> torch.Tensor:
-    return x
+    return replaced(head, identity)
 
 
 def logprobs_at(model: torch.nn.Module, inputs: dict[str, torch.Tensor | None], source: torch.Tensor, targets: torch.Tensor,
@@ -92,10 +81,14 @@ def logprobs_at(model: torch.nn.Module, inputs: dict[str, torch.Tensor | None], 
         src, tgt = src[kept], tgt[kept]
     head = plain_head(model)
     if head is not None:
-        with passing_through(head):
-            hidden = model(**inputs, use_cache=False).logits
+        body = decoder_body(model)
+        body = body if llama_style(body) else None  # the last layer's MLP only at the positions read
+        with passing_through(head), deferred_last_mlp(body):
+            hidden = gather_rows(model(**inputs, use_cache=False).logits, src)
+        if body is not None:
+            hidden = finish_last_layer(body, hidden)
         rows = max(1, LOGITS_PER_CHUNK // head.weight.shape[0])
-        logp, entropy = head_logprobs(gather_rows(hidden, src), head.weight, head.bias, tgt, temperature, rows, with_entropy)
+        logp, entropy = head_logprobs(hidden, head.weight, head.bias, tgt, temperature, rows, with_entropy)
     else:
         picked = model(**inputs, use_cache=False).logits.flatten(0, 1)[src].float() / temperature
         logp = -F.cross_entropy(picked, tgt, reduction="none")
