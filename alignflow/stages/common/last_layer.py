@@ -42,9 +42,11 @@ def decoder_body(model) -> torch.nn.Module | None:
 
 
 def llama_style(body: torch.nn.Module | None) -> bool:
-    """A pre-norm decoder whose last layer is attention + residual, then MLP + residual."""
+    """A pre-norm decoder whose last layer is attention + residual, then MLP + residual, with its weights here whole:
+    ZeRO-3 gathers a shard only around its module's own call in the order it traced, so it keeps the full forward."""
     return (body is not None and len(body.layers) > 0 and type(body.layers[-1]).__name__ in LLAMA_STYLE_LAYERS
-            and all(hasattr(body.layers[-1], name) for name in ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")))
+            and all(hasattr(body.layers[-1], name) for name in ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp"))
+            and not any(hasattr(p, "ds_id") for p in body.layers[-1].parameters()))
 
 
 def shortcut_applies(body: torch.nn.Module | None) -> bool:
