@@ -71,8 +71,20 @@ class StageTracking:
     def close(self) -> None:
         self.flush()
         if self._monitor is not None:
-            self._monitor.finish()
-            self._monitor = None
+            monitor, self._monitor = self._monitor, None
+            monitor.finish()
+            self._publish_last_samples(monitor)
+
+    def _publish_last_samples(self, monitor) -> None:
+        """MLflow's monitor drops the samples it holds when it is stopped within an interval, so a stage shorter
+        than SYSTEM_METRICS_EVERY_S logged no system metrics at all: what it holds is published here."""
+        try:
+            metrics = monitor.aggregate_metrics()
+            if metrics:
+                monitor.publish_metrics(metrics)
+                monitor.mlflow_logger.flush()
+        except Exception as exc:  # noqa: BLE001 - as above
+            log.warning("could not log the last system metrics of MLflow run %s: %s", self.run_id, exc)
 
     def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
         if not self.client:
