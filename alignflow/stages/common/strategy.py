@@ -128,7 +128,7 @@ class Strategy:
             "train_batch_size": self.batch.micro_batch_size * self.grad_accum * self.world_size,
             "train_micro_batch_size_per_gpu": self.batch.micro_batch_size,
             "gradient_accumulation_steps": self.grad_accum,
-            "gradient_clipping": self.optim.grad_clip if self.optim is not None else 0.0,
+            "gradient_clipping": self.optim.grad_clip if self.optim is not None and not self._clips_itself() else 0.0,
             "zero_optimization": zero,
             "bf16": {"enabled": self.ds.precision == "bf16"},
             "zero_allow_untested_optimizer": True,
@@ -198,11 +198,20 @@ class Strategy:
         averages over ranks; scaling by both undoes that, so the step gradient is exact."""
         self.engine.backward(loss * (self.grad_accum * self.world_size))
 
+    def _clips_itself(self) -> bool:
+        """ZeRO-0 in fp32: DeepSpeed would clip with a Python loop over the tensors that computes again the norm
+        `step` takes anyway (1.3 of a 35.6 ms RM step on builtin:tiny); torch's foreach kernels clip with that norm.
+        Elsewhere DeepSpeed's optimizer wrappers clip their own (fp32 master, partitioned) gradients."""
+        return self.optim is not None and self.optim.grad_clip > 0 and self.ds.zero_stage == 0 and self.ds.precision == "fp32"
+
     def step(self) -> None:
         if self.ds.zero_stage == 0 and self.engine.is_gradient_accumulation_boundary():
             # ZeRO-0 does not record the norm; grads are already all-reduced here, before clipping.
-            grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None]
-            self._grad_norm = float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
+            params = [p for p in self.engine.module.parameters() if p.grad is not None]
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params]) if params else None
+            self._grad_norm = float(norm) if params else 0.0
+            if params and self._clips_itself():
+                torch.nn.utils.clip_grads_with_norm_(params, self.optim.grad_clip, norm, foreach=True)
         self.engine.step()
 
     def grad_norm(self) -> float:
