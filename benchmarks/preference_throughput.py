@@ -107,7 +107,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from sft_throughput import busy_cpu_seconds, children_cpu_seconds, cpu_threads, wait_until_idle, worker_env  # noqa: E402
+from sft_throughput import (add_precision_argument, busy_cpu_seconds, children_cpu_seconds, cpu_threads,  # noqa: E402
+                            wait_until_idle, worker_env)
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = ROOT / "configs" / "tiny.yaml"
@@ -696,9 +697,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=57, help="timed optimizer steps (default 57: with --warmup 5, one epoch of 62)")
     p.add_argument("--warmup", type=int, default=5, help="untimed optimizer steps before them (default 5)")
     p.add_argument("--model", default="builtin:tiny", help="builtin:tiny (default), builtin:small, or a local HF folder")
-    p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
-                   help="bf16: alignflow's deepspeed.precision=bf16 (bf16 weights, fp32 master weights in the optimizer) "
-                        "against TRL's bf16=True (autocast over fp32 weights); matmuls run on AMX or AVX-512 BF16 where the CPU has them")
+    add_precision_argument(p)
     p.add_argument("--json", default=None, metavar="PATH", help="also write all figures and per-step records here")
     p.add_argument("--repeats", type=int, default=1, help="runs per setting, round-robin; the table shows medians")
     p.add_argument("--frameworks", default=None,

@@ -146,6 +146,12 @@ def children_cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+def add_precision_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
+                   help="bf16: alignflow's deepspeed.precision=bf16 (bf16 weights, fp32 master weights in the optimizer) "
+                        "against TRL's bf16=True (autocast over fp32 weights); matmuls run on AMX or AVX-512 BF16 where the CPU has them")
+
+
 def worker_env(threads: int, tmp: Path) -> dict[str, str]:
     env = dict(os.environ)
     env.update(
@@ -580,9 +586,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--frameworks", default="alignflow,trl",
                    help="comma list of alignflow,alignflow-full (log-probs from the model's full logits),trl")
     p.add_argument("--packing-modes", default="off,on", help="comma list of off,on")
-    p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
-                   help="bf16: alignflow's deepspeed.precision=bf16 (bf16 weights, fp32 master weights in the optimizer) "
-                        "against TRL's bf16=True (autocast over fp32 weights); matmuls run on AMX or AVX-512 BF16 where the CPU has them")
+    add_precision_argument(p)
     p.add_argument("--wait-idle", type=float, default=0, metavar="SECONDS",
                    help="before each run, wait up to this long for other processes to leave the CPU idle (default 0: do not wait)")
     p.add_argument("--keep-workdir", action="store_true", help="keep the worker folders (logs, published models) instead of deleting them")

@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from alignflow.stages.common.last_layer import (decoder_body, deferred_last_mlp, finish_last_layer, identity, llama_style, replaced,
-                                                     unwrapped)
+from alignflow.stages.common.last_layer import (decoder_body, deferred_last_mlp, finish_last_layer, identity, llama_style,
+                                                replaced, unwrapped)
 from alignflow.stages.common.lm_head import gather_rows, head_logprobs
 
 # Model types whose `...ForCausalLM` computes logits = lm_head(last hidden state): no soft-capping, scaling or bias tricks.

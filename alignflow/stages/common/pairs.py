@@ -18,6 +18,7 @@ from alignflow.config.base import PreferenceDataConfig
 from alignflow.stages.common.data import (DataError, FilteredRow, Sample, chat_prompt_text, chat_texts, column, encode, load_rows,
                                           prompt_value, response_sample, text_or_messages)
 from alignflow.stages.common.formats import conversation, finite_number, shared_prompt
+from alignflow.stages.common.last_layer import head_at
 from alignflow.stages.common.logprobs import logprobs_at
 from alignflow.stages.common.packing import Packing
 
@@ -89,8 +90,6 @@ def pair_logps(model, pairs: list[Pair], pad_id: int, device) -> dict[str, torch
 
 def pair_rewards(model, head: torch.nn.Module, pairs: list[Pair], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """(chosen, rejected) rewards of B pairs, one shared-prompt block each, read at each response's EOS."""
-    from alignflow.stages.common.last_layer import head_at
-
     batch = collate_pairs(pairs, pad_id).to(device)
     scores = head_at(model, head, batch.input_ids, batch.attention_mask, batch.position_ids,
                      torch.cat([batch.chosen_end, batch.rejected_end]))

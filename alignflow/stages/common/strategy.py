@@ -128,7 +128,7 @@ class Strategy:
             "train_batch_size": self.batch.micro_batch_size * self.grad_accum * self.world_size,
             "train_micro_batch_size_per_gpu": self.batch.micro_batch_size,
             "gradient_accumulation_steps": self.grad_accum,
-            "gradient_clipping": self.optim.grad_clip if self.optim is not None and not self._clips_itself() else 0.0,
+            "gradient_clipping": 0.0 if self.optim is None or self._clips_itself() else self.optim.grad_clip,
             "zero_optimization": zero,
             "bf16": {"enabled": self.ds.precision == "bf16"},
             "zero_allow_untested_optimizer": True,
@@ -208,10 +208,12 @@ class Strategy:
         if self.ds.zero_stage == 0 and self.engine.is_gradient_accumulation_boundary():
             # ZeRO-0 does not record the norm; grads are already all-reduced here, before clipping.
             params = [p for p in self.engine.module.parameters() if p.grad is not None]
-            norm = torch.nn.utils.get_total_norm([p.grad for p in params]) if params else None
-            self._grad_norm = float(norm) if params else 0.0
-            if params and self._clips_itself():
-                torch.nn.utils.clip_grads_with_norm_(params, self.optim.grad_clip, norm, foreach=True)
+            self._grad_norm = 0.0
+            if params:
+                norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+                self._grad_norm = float(norm)
+                if self._clips_itself():
+                    torch.nn.utils.clip_grads_with_norm_(params, self.optim.grad_clip, norm, foreach=True)
         self.engine.step()
 
     def grad_norm(self) -> float:
