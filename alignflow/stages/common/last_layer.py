@@ -101,13 +101,33 @@ def last_layer_at(layer, hidden: torch.Tensor, rotary: tuple[torch.Tensor, torch
     x = layer.input_layernorm(hidden)
     keys = rope(attention.k_proj(x).view(R, T, -1, attention.head_dim).transpose(1, 2), cos[:, None], sin[:, None])
     values = attention.v_proj(x).view(R, T, -1, attention.head_dim).transpose(1, 2)  # (R, Hkv, T, D)
-    n = rows.numel()
-    queries = attention.q_proj(x[rows, cols]).view(n, -1, 1, attention.head_dim)  # (N, H, 1, D)
-    queries = rope(queries, cos[rows, cols][:, None, None], sin[rows, cols][:, None, None])
-    attended = F.scaled_dot_product_attention(queries, keys[rows], values[rows], attn_mask=mask[rows, :, cols][:, :, None],
+    # The queries as (R, H, Q, D): each row's read positions in its own Q slots, so attention takes each row's keys
+    # and values as they are (a copy of them per read position, with its backward, cost 5% of an RM step on
+    # builtin:tiny).
+    slot, source = read_slots(rows, cols, R, T)
+    Q = source.numel() // R
+    pick = lambda t: t.flatten(0, 1).index_select(0, source)  # noqa: E731  (R x Q, ...) at the slots' positions
+    queries = attention.q_proj(pick(x)).view(R, Q, -1, attention.head_dim).transpose(1, 2)
+    queries = rope(queries, pick(cos).view(R, 1, Q, -1), pick(sin).view(R, 1, Q, -1))
+    attended = F.scaled_dot_product_attention(queries, keys, values, attn_mask=pick(mask[:, 0]).view(R, 1, Q, T),
                                               scale=attention.scaling, enable_gqa=True)
-    out = hidden[rows, cols] + attention.o_proj(attended.reshape(n, -1))
+    attended = attended.transpose(1, 2).reshape(R * Q, -1).index_select(0, slot)
+    out = hidden.flatten(0, 1).index_select(0, rows * T + cols) + attention.o_proj(attended)
     return out + layer.mlp(layer.post_attention_layernorm(out))
+
+
+def read_slots(rows: torch.Tensor, cols: torch.Tensor, R: int, T: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q slots per row, Q the most reads any row has: (N,) the slot (into R x Q) of each read, and (R x Q,) the flat
+    position (into R x T) each slot reads; a spare slot reads its row's first position, and nothing reads its output."""
+    order = torch.argsort(rows, stable=True)
+    counts = torch.bincount(rows, minlength=R)
+    first = torch.cumsum(counts, 0) - counts  # where each row's reads start in `order`
+    Q = int(counts.max())
+    slot = torch.empty_like(rows)
+    slot[order] = rows[order] * Q + torch.arange(rows.numel(), device=rows.device) - first[rows[order]]
+    source = torch.arange(R, device=rows.device).repeat_interleave(Q) * T
+    source[slot] = rows * T + cols
+    return slot, source
 
 
 @contextmanager

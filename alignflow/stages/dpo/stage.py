@@ -76,7 +76,7 @@ def loss_of(policy: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], dpo: 
 
 def train_step(strategy: Strategy, train: list[Pair], ref: Reference, step: int, dpo: DPOConfig, logps) -> dict[str, float]:
     timer = Timer()
-    indices, mine = step_rows(strategy, len(train), [len(p) for p in train], dpo.batch, step)
+    indices, mine = step_rows(strategy, train, dpo.batch, step)
     lr, step_logps = strategy.lr(), RowBuffer(len(indices))
     step_ref = ref.rows("train", indices, mine)
     for micro in mine:

@@ -95,7 +95,7 @@ def loss_of(policy: torch.Tensor, ref: torch.Tensor, desirable: torch.Tensor, kl
 
 def train_step(strategy: Strategy, data: KTOData, ref: Reference, step: int, kto: KTOConfig, logps) -> dict[str, float]:
     timer = Timer()
-    indices, mine = step_rows(strategy, len(data.samples), lengths(data.samples), kto.batch, step)
+    indices, mine = step_rows(strategy, data.samples, kto.batch, step)
     g, lr = len(indices), strategy.lr()
     first = step * g  # this step's mismatched samples are data.mismatched[first:first + g]
     ref_kl = ref.rows("train_kl", list(range(first, first + g)), mine)["logps"]

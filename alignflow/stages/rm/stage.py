@@ -69,7 +69,7 @@ def margins(pairs: list[Pair], rm: RMConfig) -> torch.Tensor | None:
 
 def train_step(strategy: Strategy, train: list[Pair], step: int, rm: RMConfig, score) -> dict[str, float]:
     timer = Timer()
-    indices, mine = step_rows(strategy, len(train), [len(p) for p in train], rm.batch, step)
+    indices, mine = step_rows(strategy, train, rm.batch, step)
     lr, step_rewards = strategy.lr(), RowBuffer(len(indices))
     for micro in mine:
         pairs = [train[indices[k]] for k in micro]
