@@ -69,7 +69,7 @@ def all_rows(strategy: Strategy, lengths: list[int], micro: int, forward: Forwar
 
 def step_rows(strategy: Strategy, items: Sequence[Sized], batch: BatchConfig, step: int) -> tuple[list[int], list[list[int]]]:
     """(dataset indices of step `step` into `items`, this rank's micro-batches as positions into that list).
-    Only the step's items are measured: the whole set's lengths took 0.3 ms a step over 2,000 pairs."""
+    Only the step's items are measured: every step measured all 2,000 pairs before (0.1 ms of a 36 ms RM step)."""
     indices = global_batch(len(items), batch.global_batch_size, step, batch.seed)
     positions = rank_micro_batches(list(range(len(indices))), [len(items[i]) for i in indices],
                                    batch.micro_batch_size, strategy.world_size, strategy.rank)
