@@ -25,6 +25,8 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
+from alignflow.stages.common.lm_head import gather_rows
+
 LLAMA_STYLE_LAYERS = {"LlamaDecoderLayer", "Qwen2DecoderLayer", "MistralDecoderLayer"}
 
 
@@ -72,8 +74,7 @@ def head_at(model, head: torch.nn.Module, input_ids: torch.Tensor, attention_mas
 
         return token_scores(model, head, input_ids, attention_mask, position_ids).flatten()[at]
     hidden, rotary = hidden_before_last_layer(model, body, head, input_ids, attention_mask, position_ids)
-    width = input_ids.shape[1]
-    out = last_layer_at(body.layers[-1], hidden, rotary, attention_mask, at // width, at % width)
+    out = last_layer_at(body.layers[-1], hidden, rotary, attention_mask, at)
     return head(body.norm(out))[..., 0].float()
 
 
@@ -92,8 +93,8 @@ def hidden_before_last_layer(model, body, head, input_ids, attention_mask, posit
 
 
 def last_layer_at(layer, hidden: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor,
-                  rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
-    """(N, C) output of a Llama-style decoder `layer` at positions (rows, cols) of `hidden` (R, T, C)."""
+                  at: torch.Tensor) -> torch.Tensor:
+    """(N, C) output of a Llama-style decoder `layer` at the flat positions `at` of `hidden` (R, T, C)."""
     attention, (cos, sin) = layer.self_attn, rotary
     rotate_half = sys.modules[type(layer).__module__].rotate_half
     rope = lambda x, c, s: x * c + rotate_half(x) * s  # noqa: E731  (Su et al. 2021, as the layer's own apply_rotary_pos_emb)
@@ -104,21 +105,23 @@ def last_layer_at(layer, hidden: torch.Tensor, rotary: tuple[torch.Tensor, torch
     # The queries as (R, H, Q, D): each row's read positions in its own Q slots, so attention takes each row's keys
     # and values as they are (a copy of them per read position, with its backward, cost 5% of an RM step on
     # builtin:tiny).
-    slot, source = read_slots(rows, cols, R, T)
+    slot, source = read_slots(at, R, T)
     Q = source.numel() // R
-    pick = lambda t: t.flatten(0, 1).index_select(0, source)  # noqa: E731  (R x Q, ...) at the slots' positions
+    pick = lambda t: gather_rows(t, source)  # noqa: E731  (R x Q, ...) at the slots' positions
     queries = attention.q_proj(pick(x)).view(R, Q, -1, attention.head_dim).transpose(1, 2)
     queries = rope(queries, pick(cos).view(R, 1, Q, -1), pick(sin).view(R, 1, Q, -1))
     attended = F.scaled_dot_product_attention(queries, keys, values, attn_mask=pick(mask[:, 0]).view(R, 1, Q, T),
                                               scale=attention.scaling, enable_gqa=True)
-    attended = attended.transpose(1, 2).reshape(R * Q, -1).index_select(0, slot)
-    out = hidden.flatten(0, 1).index_select(0, rows * T + cols) + attention.o_proj(attended)
+    attended = gather_rows(attended.transpose(1, 2), slot).flatten(1)  # (N, H x D)
+    out = gather_rows(hidden, at) + attention.o_proj(attended)
     return out + layer.mlp(layer.post_attention_layernorm(out))
 
 
-def read_slots(rows: torch.Tensor, cols: torch.Tensor, R: int, T: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Q slots per row, Q the most reads any row has: (N,) the slot (into R x Q) of each read, and (R x Q,) the flat
-    position (into R x T) each slot reads; a spare slot reads its row's first position, and nothing reads its output."""
+def read_slots(at: torch.Tensor, R: int, T: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q slots per row for the flat positions `at` (into R x T), Q the most reads any row has: (N,) the slot (into
+    R x Q) of each read, and (R x Q,) the flat position each slot reads; a spare slot reads its row's first position,
+    and nothing reads its output."""
+    rows = at // T
     order = torch.argsort(rows, stable=True)
     counts = torch.bincount(rows, minlength=R)
     first = torch.cumsum(counts, 0) - counts  # where each row's reads start in `order`
@@ -126,7 +129,7 @@ def read_slots(rows: torch.Tensor, cols: torch.Tensor, R: int, T: int) -> tuple[
     slot = torch.empty_like(rows)
     slot[order] = rows[order] * Q + torch.arange(rows.numel(), device=rows.device) - first[rows[order]]
     source = torch.arange(R, device=rows.device).repeat_interleave(Q) * T
-    source[slot] = rows * T + cols
+    source[slot] = at
     return slot, source
 
 
