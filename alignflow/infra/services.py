@@ -186,8 +186,12 @@ def reproducible_math_env() -> dict[str, str]:
     return {key: os.environ.get(key, value) for key, value in REPRODUCIBLE_MATH.items()}
 
 
-def start_ray_head(num_cpus: int | None = None, base: str | None = None, timeout: float = 120) -> Service:
-    """A private Ray head; `url` is its dashboard / Jobs API on 127.0.0.1."""
+def start_ray_head(num_cpus: int | None = None, base: str | None = None, timeout: float = 120,
+                   ready_for_jobs: bool = True) -> Service:
+    """A private Ray head; `url` is its dashboard / Jobs API on 127.0.0.1. `ready_for_jobs`: it has run one job
+    (see `_run_first_job`), so a head that outlives its start-up (`alignflow services up`, a test session) gives
+    its first stage the same start as its later ones."""
+    started = time.time()
     home = _home("ray", base)
     gcs, dashboard, client, agent, agent_grpc, env_agent, metrics, node, objects = free_ports(9)
     cmd = [str(BIN / "ray"), "start", "--head", "--block", "--disable-usage-stats",
@@ -217,7 +221,36 @@ def start_ray_head(num_cpus: int | None = None, base: str | None = None, timeout
         raise
     if server is not None:
         warm.bind(lifeline=str(home / "warm.head"), pid=head.pid)
+    if ready_for_jobs:
+        try:
+            _run_first_job(head, timeout - (time.time() - started))
+        except BaseException:
+            head.stop()
+            raise
     return head
+
+
+FIRST_JOB = "alignflow-head-ready"
+
+
+def _run_first_job(head: Service, timeout: float) -> None:
+    """Run a no-op job. A fresh head's first job waits for the job agent to come up, connect to the cluster and
+    start its job manager (1-1.5 s on two CPU cores, measured in RESULTS): paid here, once per head, instead of
+    by the first stage. A head that cannot run this job is reported now, with the job's log. The job stays in
+    the head's list (deleting it just after it ends races Ray's job monitor, which then records it again as
+    failed)."""
+    from ray.job_submission import JobStatus, JobSubmissionClient
+
+    jobs = JobSubmissionClient(head.url)
+    job_id = jobs.submit_job(entrypoint="true", submission_id=FIRST_JOB, metadata={"alignflow": "head start-up check"})
+    deadline = time.time() + max(timeout, 10.0)
+    while not (status := jobs.get_job_status(job_id)).is_terminal():
+        if time.time() > deadline:
+            raise ServiceError(f"the Ray head at {head.url} did not run a no-op job within {timeout:.0f}s; log: {head.log}")
+        time.sleep(0.05)
+    if status != JobStatus.SUCCEEDED:
+        raise ServiceError(f"the Ray head at {head.url} could not run a no-op job ({status}): "
+                           f"{jobs.get_job_info(job_id).message}\n{jobs.get_job_logs(job_id)[-2000:]}")
 
 
 def _start_warm_server(home: Path, head_env: dict[str, str]) -> subprocess.Popen:
@@ -242,7 +275,8 @@ class OnDemandHead:
         with self._lock:
             if self.head is None:
                 print("starting a local Ray head on 127.0.0.1 ...", file=sys.stderr, flush=True)
-                self.head = start_ray_head(self.num_cpus)
+                # Its first stage is submitted at once: a start-up job would only add its own run to the path.
+                self.head = start_ray_head(self.num_cpus, ready_for_jobs=False)
             return self.head.url
 
     def stop(self) -> None:

@@ -44,6 +44,10 @@ def test_services_up_run_uis_export_down_keep_their_stores(tmp_path):
         for svc in state:
             assert svc["url"].startswith("http://127.0.0.1:") and psutil.pid_exists(svc["pid"])
         get(urls["ray"] + "/api/version"), get(urls["prefect"] + "/health"), get(urls["mlflow"] + "/health")
+        # The head came up having run one no-op job, so its first stage does not pay the job agent's start.
+        (ready,) = json.loads(get(urls["ray"] + "/api/jobs/"))
+        assert (ready["submission_id"], ready["entrypoint"], ready["status"]) == ("alignflow-head-ready", "true", "SUCCEEDED")
+        assert ready["metadata"] == {"alignflow": "head start-up check"}
         mlflow_tree = psutil.Process(next(s["pid"] for s in state if s["name"] == "mlflow")).children(recursive=True)
         assert not [p for p in mlflow_tree if "huey" in " ".join(p.cmdline())]  # no GenAI job runner polling beside training
         assert json.loads(get(urls["prefect"].removesuffix("/api") + "/ui-settings"))["api_url"] == urls["prefect"]  # the UI talks to this port, not 4200
