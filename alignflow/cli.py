@@ -101,10 +101,11 @@ def _services_up(cfg) -> dict:
 
 
 @contextlib.contextmanager
-def _services_for(cfg, on_demand: bool = True):
+def _services_for(cfg, on_demand: bool = True, needs_job: bool = False):
     """Use what is configured or already up (`alignflow services up`); else a private Ray head, stopped at the end
-    and started when the first stage job is submitted (a fully cached run starts none), or now unless `on_demand`
-    (flow runs in other processes need its address)."""
+    and started when the first stage job is submitted (a fully cached run starts none), or in the background now
+    when the run is known to need a job (`needs_job`: its start overlaps Prefect's temporary server's), or now
+    unless `on_demand` (flow runs in other processes need its address)."""
     from alignflow.infra import ray_jobs, services
 
     up = _services_up(cfg)
@@ -115,6 +116,8 @@ def _services_for(cfg, on_demand: bool = True):
         yield
     else:
         with services.ray_head_on_demand(cfg.ray.num_cpus) as head:
+            if on_demand and needs_job:
+                head.start_early()
             os.environ["ALIGNFLOW_RAY_ADDRESS"] = ray_jobs.ON_DEMAND if on_demand else head.url()
             try:
                 yield
@@ -141,6 +144,7 @@ def run(
     cfg = _load(path, overrides)
     _prefect_defaults()
     _services_up(cfg)  # before Prefect is imported: it reads PREFECT_API_URL once, at import
+    needs_job = False  # known only where the run was first tried without Prefect
     try:
         from alignflow.flows import run_record
 
@@ -155,6 +159,7 @@ def run(
                 reg = cached["registered_model"]
                 _finish_run(cached, summary_json, failed=bool(reg and not reg["promoted"] and cfg.registration.gate.fail))
                 return
+            needs_job = True  # a stage is not published: it will run as a Ray job
     except ConfigError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(BAD_INPUT) from None
@@ -163,7 +168,7 @@ def run(
     from alignflow.infra import watchdog
 
     watchdog.start(os.getpid(), psutil.Process().create_time())  # even a SIGKILL of this process leaves nothing running
-    with _services_for(cfg):
+    with _services_for(cfg, needs_job=needs_job):
         from alignflow.flows.alignment import alignment
 
         state = alignment(str(path), overrides or [], until, only, return_state=True)

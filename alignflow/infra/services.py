@@ -263,13 +263,30 @@ def _start_warm_server(home: Path, head_env: dict[str, str]) -> subprocess.Popen
 
 
 class OnDemandHead:
-    """A private Ray head that `alignflow run` starts when its first stage job is submitted, not before: a run
-    whose every stage is a cache hit starts no Ray. Thread-safe (branches submit at once); `stop` ends it if
-    it was started."""
+    """A private Ray head that `alignflow run` starts when its first stage job is submitted, or earlier, beside
+    Prefect's temporary server, once the run is known to need a job (`start_early`): a run whose every stage is a
+    cache hit starts no Ray. Thread-safe (branches submit at once); `stop` ends it if it was started."""
 
     def __init__(self, num_cpus: int | None = None) -> None:
         self.num_cpus, self.head = num_cpus, None
         self._lock = threading.Lock()
+        self._stopped = False
+
+    def start_early(self) -> None:
+        """Start the head in the background now; the first stage's `url()` waits for it. A head that fails to
+        start here is started again at the first job, which then fails with the cause."""
+        print("starting a local Ray head on 127.0.0.1 (beside the run's other start-up) ...", file=sys.stderr, flush=True)
+        threading.Thread(target=self._start_early, name="alignflow-ray-head", daemon=True).start()
+
+    def _start_early(self) -> None:
+        with self._lock:
+            if self.head is not None or self._stopped:
+                return
+            try:  # it has the time to run its start-up job too (start_ray_head)
+                self.head = start_ray_head(self.num_cpus, ready_for_jobs=True)
+            except Exception as exc:
+                print(f"alignflow: the local Ray head did not start ({exc}); trying again at the first job",
+                      file=sys.stderr, flush=True)
 
     def url(self) -> str:
         with self._lock:
@@ -281,6 +298,7 @@ class OnDemandHead:
 
     def stop(self) -> None:
         with self._lock:
+            self._stopped = True
             if self.head is not None:
                 self.head.stop()
                 remove_home(self.head)

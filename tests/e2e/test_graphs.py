@@ -71,8 +71,8 @@ def test_tulu3_graph_runs_evaluates_and_gates(services, tmp_path):
 
 
 def test_compare_graph_runs_branches_at_once_and_a_failed_branch_fails_only_itself(services, tmp_path):
-    """The first run has no session services: `alignflow run` starts a private Ray head (at its first job) and
-    Prefect's temporary server; tracking is the sqlite store beside local storage. The second takes the session's
+    """The first run has no session services: `alignflow run` starts Prefect's temporary server and, beside it once
+    it knows a stage must run, a private Ray head; tracking is the sqlite store beside local storage. The second takes the session's
     Ray head and Prefect server (the same storage and tracking: what it finds published is the first run's). A last,
     fully cached run without them starts no Ray head."""
     root = tmp_path / "out"
@@ -100,7 +100,9 @@ def test_compare_graph_runs_branches_at_once_and_a_failed_branch_fails_only_itse
     reg = summary["registered_model"]  # sqlite tracking x local storage
     assert reg["promoted"] and reg["source"] == storage.join(stages["dpo"]["uri"], "model")
     assert summary["mlflow"]["tracking_uri"].startswith("sqlite:")
-    assert proc.stderr.count("starting a local Ray head") == 1  # at the first job; the branches share it
+    assert proc.stderr.count("starting a local Ray head") == 1  # the branches share it
+    # Started as soon as the run knew a stage must run, beside Prefect's temporary server, not after it.
+    assert proc.stderr.index("starting a local Ray head") < proc.stderr.index("Starting temporary server"), proc.stderr[-4000:]
 
     # A broken branch beside a running one: the sibling finishes and publishes, the flow fails naming the broken one.
     bad = tmp_path / "bad.jsonl"
