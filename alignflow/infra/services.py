@@ -235,7 +235,7 @@ FIRST_JOB = "alignflow-head-ready"
 
 def _run_first_job(head: Service, timeout: float) -> None:
     """Run a no-op job. A fresh head's first job waits for the job agent to come up, connect to the cluster and
-    start its job manager (1-1.5 s on two CPU cores, measured in RESULTS): paid here, once per head, instead of
+    start its job manager (1-1.7 s on two CPU cores, measured in RESULTS): paid here, once per head, instead of
     by the first stage. A head that cannot run this job is reported now, with the job's log. The job stays in
     the head's list (deleting it just after it ends races Ray's job monitor, which then records it again as
     failed)."""
