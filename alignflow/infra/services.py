@@ -243,7 +243,8 @@ def _run_first_job(head: Service, timeout: float) -> None:
 
     jobs = JobSubmissionClient(head.url)
     job_id = jobs.submit_job(entrypoint="true", submission_id=FIRST_JOB, metadata={"alignflow": "head start-up check"})
-    deadline = time.time() + max(timeout, 10.0)
+    timeout = max(timeout, 10.0)  # what is left of the head's start-up time, but never too little for one job
+    deadline = time.time() + timeout
     while not (status := jobs.get_job_status(job_id)).is_terminal():
         if time.time() > deadline:
             raise ServiceError(f"the Ray head at {head.url} did not run a no-op job within {timeout:.0f}s; log: {head.log}")

@@ -72,9 +72,9 @@ def test_tulu3_graph_runs_evaluates_and_gates(services, tmp_path):
 
 def test_compare_graph_runs_branches_at_once_and_a_failed_branch_fails_only_itself(services, tmp_path):
     """The first run has no session services: `alignflow run` starts Prefect's temporary server and, beside it once
-    it knows a stage must run, a private Ray head; tracking is the sqlite store beside local storage. The second takes the session's
-    Ray head and Prefect server (the same storage and tracking: what it finds published is the first run's). A last,
-    fully cached run without them starts no Ray head."""
+    it knows a stage must run, a private Ray head; tracking is the sqlite store beside local storage. The second
+    takes the session's Ray head and Prefect server (the same storage and tracking: what it finds published is the
+    first run's). A last, fully cached run without them starts no Ray head."""
     root = tmp_path / "out"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_API_URL", "MLFLOW_TRACKING_URI", "ALIGNFLOW_RAY"))}
     env["ALIGNFLOW_HOME"] = str(tmp_path / "home")
