@@ -239,9 +239,11 @@ def _run_first_job(head: Service, timeout: float) -> None:
     by the first stage. A head that cannot run this job is reported now, with the job's log. The job stays in
     the head's list (deleting it just after it ends races Ray's job monitor, which then records it again as
     failed)."""
-    from ray.job_submission import JobStatus, JobSubmissionClient
+    from ray.job_submission import JobStatus
 
-    jobs = JobSubmissionClient(head.url)
+    from alignflow.infra import ray_jobs
+
+    jobs = ray_jobs.client(head.url)  # the process's client for this head: a run's first stage reuses it
     job_id = jobs.submit_job(entrypoint="true", submission_id=FIRST_JOB, metadata={"alignflow": "head start-up check"})
     timeout = max(timeout, 10.0)  # what is left of the head's start-up time, but never too little for one job
     deadline = time.time() + timeout
