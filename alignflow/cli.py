@@ -118,7 +118,8 @@ def _services_for(cfg, on_demand: bool = True, needs_job: bool = False):
         with services.ray_head_on_demand(cfg.ray.num_cpus) as head:
             if on_demand and needs_job:
                 head.start_early()
-            os.environ["ALIGNFLOW_RAY_ADDRESS"] = ray_jobs.ON_DEMAND if on_demand else head.url()
+            # Flow runs of a deployment (`serve`) come later: the head runs its start-up job first (start_ray_head).
+            os.environ["ALIGNFLOW_RAY_ADDRESS"] = ray_jobs.ON_DEMAND if on_demand else head.url(ready_for_jobs=True)
             try:
                 yield
             finally:

@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
-from alignflow.infra import warm
+from alignflow.infra import lease, warm
 from alignflow.infra.ports import free_port, free_ports
 from alignflow.infra.ray_jobs import ON_DEMAND
 from alignflow.infra.secrets import without_secrets
@@ -146,14 +146,29 @@ def _tail(path: str, lines: int = 30) -> str:
         return ""
 
 
-def _home(kind: str, base: str | None, keep: str | None = None) -> Path:
+HOMES = "/tmp"  # short paths: Ray puts unix sockets under its temp dir, limited to ~107 bytes
+HOME_PREFIX = "af-"
+
+
+def _home(kind: str, base: str | None, keep: str | None = None, claim: bool = False) -> Path:
     """The service's private folder: `keep/kind` when its store is to persist (`alignflow services up`), else a
-    new temporary one. Short paths: Ray puts unix sockets under its temp dir, limited to ~107 bytes."""
+    new temporary one. `claim`: the service lives no longer than this process, whose folder it then is
+    (`sweep_private_homes` removes it once the process is gone)."""
     if keep:
         home = Path(keep).resolve() / kind
         home.mkdir(parents=True, exist_ok=True)
         return home
-    return Path(tempfile.mkdtemp(prefix=f"af-{kind}-", dir=base or "/tmp"))
+    home = Path(tempfile.mkdtemp(prefix=f"{HOME_PREFIX}{kind}-", dir=base or HOMES))
+    if claim:
+        lease.claim(home, f"{kind}-home")
+    return home
+
+
+def sweep_private_homes() -> None:
+    """Remove the temporary service folders whose owning process is gone: a run killed with SIGKILL cannot remove
+    its own private head's (Ray's logs and sockets). Folders no process claimed are left alone: `alignflow services
+    up` leaves its services running after it exits."""
+    lease.sweep_abandoned(Path(HOMES).glob(f"{HOME_PREFIX}*"))
 
 
 def start_all(*starts: Callable[[], Service]) -> list[Service]:
@@ -187,12 +202,12 @@ def reproducible_math_env() -> dict[str, str]:
 
 
 def start_ray_head(num_cpus: int | None = None, base: str | None = None, timeout: float = 120,
-                   ready_for_jobs: bool = True) -> Service:
+                   ready_for_jobs: bool = True, claim: bool = False) -> Service:
     """A private Ray head; `url` is its dashboard / Jobs API on 127.0.0.1. `ready_for_jobs`: it has run one job
     (see `_run_first_job`), so a head that outlives its start-up (`alignflow services up`, a test session) gives
-    its first stage the same start as its later ones."""
+    its first stage the same start as its later ones. `claim`: its folder is this process's (see `_home`)."""
     started = time.time()
-    home = _home("ray", base)
+    home = _home("ray", base, claim=claim)
     gcs, dashboard, client, agent, agent_grpc, env_agent, metrics, node, objects = free_ports(9)
     cmd = [str(BIN / "ray"), "start", "--head", "--block", "--disable-usage-stats",
            "--node-ip-address=127.0.0.1", f"--port={gcs}", "--dashboard-host=127.0.0.1",
@@ -286,18 +301,23 @@ class OnDemandHead:
             if self.head is not None or self._stopped:
                 return
             try:  # it has the time to run its start-up job too (start_ray_head)
-                self.head = start_ray_head(self.num_cpus, ready_for_jobs=True)
+                self._start(ready_for_jobs=True)
             except Exception as exc:
                 print(f"alignflow: the local Ray head did not start ({exc}); trying again at the first job",
                       file=sys.stderr, flush=True)
 
-    def url(self) -> str:
+    def url(self, ready_for_jobs: bool = False) -> str:
+        """The head's address, started now if it is not yet. `ready_for_jobs`: as in `start_ray_head`; by default
+        not, as the caller's first stage is submitted at once and a start-up job would only add its own run."""
         with self._lock:
             if self.head is None:
                 print("starting a local Ray head on 127.0.0.1 ...", file=sys.stderr, flush=True)
-                # Its first stage is submitted at once: a start-up job would only add its own run to the path.
-                self.head = start_ray_head(self.num_cpus, ready_for_jobs=False)
+                self._start(ready_for_jobs=ready_for_jobs)
             return self.head.url
+
+    def _start(self, ready_for_jobs: bool) -> None:
+        # Claimed by this process: if it is killed, its watchdog removes the folder too (`sweep_private_homes`).
+        self.head = start_ray_head(self.num_cpus, ready_for_jobs=ready_for_jobs, claim=True)
 
     def stop(self) -> None:
         with self._lock:

@@ -3,8 +3,9 @@
 `alignflow run` starts this as its own process: `python -m alignflow.infra.watchdog PID CREATE_TIME`. It
 notes the run's descendants every second (a private Ray head with its workers and stage jobs, Prefect's
 temporary server), and when the run's process is gone, ends every one it noted that is still the same
-process (SIGTERM, then SIGKILL). A run that exits normally stops them itself; the watchdog then finds
-nothing left. Stage jobs on a cluster stop themselves through their lease (`infra/lease.py`).
+process (SIGTERM, then SIGKILL). Then it removes the folders of private heads whose run is gone (this run's, and
+any an earlier killed run left). A run that exits normally stops its head and removes its folder itself. Stage
+jobs on a cluster stop themselves through their lease (`infra/lease.py`).
 """
 
 from __future__ import annotations
@@ -51,6 +52,10 @@ def watch(pid: int, started: float, every_s: float = 1.0, grace_s: float = 10.0)
             proc.kill()
         except psutil.NoSuchProcess:
             pass
+    psutil.wait_procs(alive, timeout=grace_s)
+    from alignflow.infra.services import sweep_private_homes
+
+    sweep_private_homes()  # now that nothing of the run's head writes there
 
 
 if __name__ == "__main__":

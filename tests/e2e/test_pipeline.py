@@ -253,10 +253,16 @@ def test_sigkilled_run_leaves_no_process_of_its_private_ray_head(services, tmp_p
     time.sleep(3)
     ours = psutil.Process(proc.pid).children(recursive=True)
     assert len(ours) > 5, [p.cmdline()[:2] for p in ours]  # the head's processes
+    (home,) = {Path(a.split("=", 1)[1]) for p in ours for a in cmdline(p).split() if a.startswith("--temp-dir=")}
+    assert (home / "ray.log").exists()
     proc.kill()
     proc.wait()
     _, alive = psutil.wait_procs(ours, timeout=60)
     assert not alive, [p.cmdline()[:3] for p in alive]
+    deadline = time.time() + 30  # the watchdog removes the head's folder (logs, sockets) once its processes are gone
+    while time.time() < deadline and home.exists():
+        time.sleep(0.5)
+    assert not home.exists(), sorted(p.name for p in home.iterdir())
 
 
 def test_two_runs_of_one_stage_make_one_writer(services, tmp_path):

@@ -114,3 +114,25 @@ def browse_the_uis(urls: dict[str, str], summary: dict, shots: Path) -> None:
         assert "Source Run : e2e-ui" in model and "@ candidate" in model and "Lineage" in model, model[:2000]
         assert "Inputs (2) Outputs (1)" in model  # the signature: messages or prompt in, text out
         page.screenshot(shots / "mlflow-model.png")
+
+
+def test_serve_without_services_gets_a_private_head_that_has_run_its_start_up_job(tmp_path, monkeypatch):
+    """`alignflow serve` with nothing up: its head is started at once (its deployments' flow runs are processes of
+    their own) and runs the start-up job first, so that the first flow run's stage does not pay for the job agent.
+    Its folder is claimed by this process and removed when it stops."""
+    from alignflow import cli as alignflow_cli
+    from alignflow.config import load_config
+    from alignflow.infra import lease
+
+    monkeypatch.delenv("ALIGNFLOW_RAY_ADDRESS", raising=False)
+    monkeypatch.setenv("ALIGNFLOW_SERVICES_HOME", str(tmp_path / "none-up"))
+    cfg = load_config(ROOT / "configs" / "tiny.yaml", [])
+    with alignflow_cli._services_for(cfg, on_demand=False):
+        url = os.environ["ALIGNFLOW_RAY_ADDRESS"]
+        (ready,) = json.loads(get(url + "/api/jobs/"))
+        assert (ready["submission_id"], ready["status"]) == ("alignflow-head-ready", "SUCCEEDED")
+        port = url.rsplit(":", 1)[1]
+        (start,) = [p.cmdline() for p in psutil.Process().children() if f"--dashboard-port={port}" in p.cmdline()]
+        home = Path(next(a for a in start if a.startswith("--temp-dir=")).split("=", 1)[1])
+        assert lease.process_holder("ray-home").rsplit(":", 1)[0] == (home / lease.OWNER_FILE).read_text().rsplit(":", 1)[0]
+    assert "ALIGNFLOW_RAY_ADDRESS" not in os.environ and not home.exists()
