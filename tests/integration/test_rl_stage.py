@@ -55,8 +55,9 @@ def test_the_old_logprob_pass_comes_back_when_the_engine_drifts_from_the_actor(t
 
 def test_ppo_with_critic_raises_the_reward_model_score(tiny_sft, tiny_rm, tmp_path):
     (_, sft), (_, rm) = tiny_sft, tiny_rm
-    result = main(config(tmp_path, "rl.batch.max_steps=20", file="tiny-ppo.yaml"), "rl", None,
-                  {"from": sft["uri"], "reward_model": rm["uri"]})
+    # configs/tiny-ppo.yaml's 40 steps as shipped: the score rises once the critic has learned, and when depends on
+    # the CPU's kernels (on an AVX2-only EPYC: 0.551 at step 0, 0.585 at 20, 0.771 at 30, 0.889 at 40).
+    result = main(config(tmp_path, file="tiny-ppo.yaml"), "rl", None, {"from": sft["uri"], "reward_model": rm["uri"]})
     m, steps = result["metrics"], [r for r in history(result["uri"]) if "reward/mean" in r]
     first, last = sum(r["reward/mean"] for r in steps[:5]) / 5, sum(r["reward/mean"] for r in steps[-5:]) / 5
     kl = max(r["train/kl"] for r in steps)
