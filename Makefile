@@ -38,10 +38,8 @@ install-vllm: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/alignflow run configs/tiny-tulu3.yaml
 
-# Two workers: one run alone leaves a core idle for about a third of the time (imports, service and engine
-# start-ups, single-threaded drivers). tests/conftest.py splits the suite into two halves of about equal length.
 test: $(STAMP) $(BROWSER)
-	$(PY) -m pytest -q -n 2 --dist loadgroup
+	$(PY) -m pytest -q
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m unit

@@ -16,24 +16,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing in the suite may touch a
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 
-def pytest_collection_modifyitems(config, items):
+def pytest_collection_modifyitems(items):
     for item in items:
         tier = Path(str(item.fspath)).relative_to(ROOT / "tests").parts[0]
         if tier in ("unit", "integration", "e2e"):
             item.add_marker(getattr(pytest.mark, tier))
-    if config.pluginmanager.hasplugin("xdist"):
-        _two_halves(items)
-
-
-def _two_halves(items) -> None:
-    """`make test` runs on 2 xdist workers with `--dist loadgroup`: one takes every module that uses the session's
-    tiny SFT model (trained once, on that worker), the other the rest, the e2e services with them. A module stays
-    whole, so its module-scoped fixtures start once. The halves take about as long (~28 min each alone here)."""
-    uses_tiny_sft: dict[Path, bool] = {}
-    for item in items:
-        uses_tiny_sft[item.path] = uses_tiny_sft.get(item.path, False) or "tiny_sft" in item.fixturenames
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group("tiny-sft" if uses_tiny_sft[item.path] else "services-and-rest"))
 
 
 @pytest.fixture(scope="session")
