@@ -97,8 +97,8 @@ def run_job(
     ACTIVE[job_id] = address  # before submitting: a signal during submission still stops it
     start, finished, tail, logged_at = time.time(), False, LogTail(), 0.0
     try:
-        jobs.submit_job(entrypoint=entrypoint, submission_id=job_id, runtime_env={"env_vars": env},
-                        metadata={"alignflow.stage": name})
+        submit_when_agent_is_up(jobs, deadline=start + min(timeout_s, AGENT_WAIT_S), entrypoint=entrypoint,
+                                submission_id=job_id, runtime_env={"env_vars": env}, metadata={"alignflow.stage": name})
         on_submit(job_id)
         while True:
             status = _retried(jobs.get_job_status, job_id)
@@ -124,6 +124,24 @@ def run_job(
         raise failure(job_id, str(status), info.message or "", log)
     seconds = lambda ms: ms / 1000 if ms else None  # noqa: E731
     return JobOutcome(job_id, time.time() - start, log, seconds(info.start_time), seconds(info.end_time))
+
+
+# Ray's Jobs API answers a submission with this (HTTP 500) when the head's job agent has not registered within 10 s,
+# which a busy machine's fresh head can take. Nothing was submitted, so the same submission id can be sent again.
+AGENT_NOT_UP = "No available agent to submit job"
+AGENT_WAIT_S = 120.0
+
+
+def submit_when_agent_is_up(jobs: Any, *, deadline: float, **job: Any) -> str:
+    """`jobs.submit_job(**job)`, sent again while Ray says its job agent is not up yet, until `deadline` (epoch s).
+    Any other error is raised at once: a submission that may have reached the agent is never sent twice."""
+    while True:
+        try:
+            return jobs.submit_job(**job)
+        except RuntimeError as error:
+            if AGENT_NOT_UP not in str(error) or time.time() >= deadline:
+                raise
+            time.sleep(1.0)
 
 
 class LogTail:

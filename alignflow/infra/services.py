@@ -259,9 +259,10 @@ def _run_first_job(head: Service, timeout: float) -> None:
     from alignflow.infra import ray_jobs
 
     jobs = ray_jobs.client(head.url)  # the process's client for this head: a run's first stage reuses it
-    job_id = jobs.submit_job(entrypoint="true", submission_id=FIRST_JOB, metadata={"alignflow": "head start-up check"})
     timeout = max(timeout, 10.0)  # what is left of the head's start-up time, but never too little for one job
     deadline = time.time() + timeout
+    job_id = ray_jobs.submit_when_agent_is_up(jobs, deadline=deadline, entrypoint="true", submission_id=FIRST_JOB,
+                                              metadata={"alignflow": "head start-up check"})
     while not (status := jobs.get_job_status(job_id)).is_terminal():
         if time.time() > deadline:
             raise ServiceError(f"the Ray head at {head.url} did not run a no-op job within {timeout:.0f}s; log: {head.log}")
