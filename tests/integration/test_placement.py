@@ -6,11 +6,13 @@ actor's runtime context say where every worker landed.
   reward i share bundle i of another; the rollout engines have their own.
 - `all`: worker i of every role, rollout included, is in bundle i of the one placement group.
 - `none`: every role has its own placement group; no two workers share a bundle.
-In every case the workers of a bundle split its CPUs and run on the node Ray put the bundle on.
+In every case the workers of a bundle split its CPUs and run on the node Ray put the bundle on, at the priority
+of the process that started them.
 """
 
 from __future__ import annotations
 
+import os
 import re
 from collections import defaultdict
 
@@ -30,7 +32,7 @@ class Probe(Worker):
 
         ctx = ray.get_runtime_context()
         return {"actor_id": ctx.get_actor_id(), "placement_group": ctx.get_placement_group_id(), "node": ctx.get_node_id(),
-                "cpus": ctx.get_assigned_resources().get("CPU", 0.0)}
+                "cpus": ctx.get_assigned_resources().get("CPU", 0.0), "nice": os.nice(0)}
 
 
 def ray_actor_table() -> dict[str, dict]:
@@ -74,6 +76,8 @@ def placements(colocate: str) -> dict[str, list[dict]]:
                 # The actor's own runtime context agrees with Ray's tables.
                 assert (w["placement_group"], w["node"]) == (ray_view["placement_group"], ray_view["node"])
                 assert w["cpus"] == pytest.approx(ray_view["cpus"])
+                # At the driver's priority, not at the nice 15 Ray gives actors: a busy machine would starve them.
+                assert w["nice"] == os.nice(0), (role, w["nice"])
                 table = bundles[ray_view["placement_group"]]
                 assert table["bundles_to_node_id"][ray_view["bundle"]] == ray_view["node"]
                 out[role].append({**ray_view, "bundle_cpus": table["bundles"][ray_view["bundle"]]["CPU"]})

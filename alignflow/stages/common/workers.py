@@ -23,6 +23,11 @@ PLACEMENT_TIMEOUT_S = 120
 # Set on every worker: the CPUs of its bundle, read by the training seam (`strategy.py`). Defined
 # here, not there, so a worker group imports neither torch nor DeepSpeed until its workers need them.
 THREADS_ENV = "ALIGNFLOW_THREADS_PER_WORKER"
+# Ray starts actors at nice 15 (a job's driver at 0). A role's workers do the stage's compute, so on a core shared
+# with any process at normal priority (a parallel branch's stage job, someone else's work) one got about 3% of it and
+# an RL step took tens of times longer. They run at the job's priority, as Ray runs the driver: an actor's env_vars
+# are merged with the job's, and its worker process applies this niceness when it starts.
+AT_THE_JOBS_PRIORITY = {"env_vars": {"RAY_worker_niceness": "0"}}
 
 
 def connect_ray(num_cpus: int | None = None) -> Callable[[], None]:
@@ -159,7 +164,7 @@ class WorkerGroup:
 
         self.role, remote = role, ray.remote(cls)
         self.workers = [
-            remote.options(num_cpus=slot.cpus, num_gpus=slot.gpus, name=None,
+            remote.options(num_cpus=slot.cpus, num_gpus=slot.gpus, name=None, runtime_env=AT_THE_JOBS_PRIORITY,
                            scheduling_strategy=PlacementGroupSchedulingStrategy(slot.group, placement_group_bundle_index=slot.bundle)
                            ).remote(rank, len(slots), slot.threads)
             for rank, slot in enumerate(slots)
