@@ -49,3 +49,13 @@ def ray_jobs(services) -> dict[str, str]:
     from ray.job_submission import JobSubmissionClient
 
     return {j.submission_id: str(j.status) for j in JobSubmissionClient(services["ray"]).list_jobs()}
+
+
+def cmdline(process) -> list[str]:
+    """A process's command line, or [] once it has exited (a zombie not yet reaped has none; psutil raises)."""
+    import psutil
+
+    try:
+        return process.cmdline()
+    except psutil.Error:
+        return []

@@ -235,25 +235,19 @@ def test_sigkilled_run_leaves_no_process_of_its_private_ray_head(services, tmp_p
 
     import psutil
 
-    from .conftest import ROOT
+    from .conftest import ROOT, cmdline
 
     env = {k: v for k, v in {**os.environ, **services["env"]}.items() if k != "ALIGNFLOW_RAY_ADDRESS"}
     proc = subprocess.Popen([sys.executable, "-m", "alignflow.cli", *run_args(str(tmp_path / "out"), "--set", "sft.batch.max_steps=200")],
                             cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    def cmdline(p: psutil.Process) -> str:
-        try:
-            return " ".join(p.cmdline())
-        except psutil.Error:
-            return ""
-
     deadline, ours = time.time() + 180, []
-    while time.time() < deadline and not any("raylet" in cmdline(p) for p in ours):
+    while time.time() < deadline and not any("raylet" in " ".join(cmdline(p)) for p in ours):
         time.sleep(1)
         ours = psutil.Process(proc.pid).children(recursive=True)
     time.sleep(3)
     ours = psutil.Process(proc.pid).children(recursive=True)
     assert len(ours) > 5, [p.cmdline()[:2] for p in ours]  # the head's processes
-    (home,) = {Path(a.split("=", 1)[1]) for p in ours for a in cmdline(p).split() if a.startswith("--temp-dir=")}
+    (home,) = {Path(a.split("=", 1)[1]) for p in ours for a in cmdline(p) if a.startswith("--temp-dir=")}
     assert (home / "ray.log").exists()
     proc.kill()
     proc.wait()

@@ -15,20 +15,9 @@ from pathlib import Path
 import psutil
 
 from .browser import open_page
-from .conftest import ROOT
+from .conftest import ROOT, cmdline
 
 SCREENSHOTS_ENV = "ALIGNFLOW_SCREENSHOTS"  # a folder to keep the UI screenshots in (docs/ has the README's)
-
-
-def child_cmdlines() -> list[list[str]]:
-    """The command lines of this process's children, skipping any that has exited (a zombie not yet reaped has none)."""
-    lines = []
-    for child in psutil.Process().children():
-        try:
-            lines.append(child.cmdline())
-        except psutil.Error:
-            pass
-    return lines
 
 
 def cli(env, *args, timeout=600):
@@ -143,7 +132,7 @@ def test_serve_without_services_gets_a_private_head_that_has_run_its_start_up_jo
         (ready,) = json.loads(get(url + "/api/jobs/"))
         assert (ready["submission_id"], ready["status"]) == ("alignflow-head-ready", "SUCCEEDED")
         port = url.rsplit(":", 1)[1]
-        (start,) = [line for line in child_cmdlines() if f"--dashboard-port={port}" in line]
+        (start,) = [line for line in map(cmdline, psutil.Process().children()) if f"--dashboard-port={port}" in line]
         home = Path(next(a for a in start if a.startswith("--temp-dir=")).split("=", 1)[1])
         assert lease.process_holder("ray-home").rsplit(":", 1)[0] == (home / lease.OWNER_FILE).read_text().rsplit(":", 1)[0]
     assert "ALIGNFLOW_RAY_ADDRESS" not in os.environ and not home.exists()
