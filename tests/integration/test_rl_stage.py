@@ -41,7 +41,8 @@ def test_grpo_raises_held_out_accuracy(tiny_sft, tmp_path):
 def test_the_old_logprob_pass_comes_back_when_the_engine_drifts_from_the_actor(tiny_sft, tmp_path, monkeypatch):
     """A separate rollout worker whose weight push is switched off keeps sampling from the SFT weights while the actor
     moves. Step 1 samples from the actor's own weights: no pass. From step 2 the first micro-batch measures the drift,
-    past the tolerance, and the pass runs."""
+    past the tolerance, and the pass runs over the other optimizer step's 64 rows: the first micro-batch's own were
+    just scored at the old weights."""
     from alignflow.stages.rl.stage import Roles
 
     _, sft = tiny_sft
@@ -52,6 +53,7 @@ def test_the_old_logprob_pass_comes_back_when_the_engine_drifts_from_the_actor(t
     drift = [r["train/logprob_mismatch"] for r in steps]
     print(f"\nengine left behind: logprob mismatch per step {[f'{x:.1e}' for x in drift]}")
     assert [r["train/old_logprob_pass"] for r in steps] == [0.0, 1.0, 1.0]
+    assert [r["train/old_logprob_rows"] for r in steps] == [0.0, 64.0, 64.0]
     assert drift[0] < 1e-5 and min(drift[1:]) > 1e-4
 
 
@@ -71,6 +73,7 @@ def test_grpo_in_bf16_measures_its_rounding_gap_and_publishes_bf16(tiny_sft, tmp
     assert len(steps) == 4 and all(torch.isfinite(torch.tensor(v)) for r in steps for v in r.values())
     assert all(1e-5 < x < 1e-2 for x in gap)  # bf16 rounding: there, yet small
     assert [r["train/old_logprob_pass"] for r in steps] == [float(x > 1e-3) for x in gap]
+    assert [r["train/old_logprob_rows"] for r in steps] == [64.0 * (x > 1e-3) for x in gap]  # 128 rows, 64 scored already
     with safe_open(str(Path(result["uri"]) / "model" / "model.safetensors"), "pt") as f:
         assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
 

@@ -157,7 +157,8 @@ class PolicyLossConfig(Frozen):
     old_logprobs: Literal["auto", "recompute"] = Field(
         "auto", description="`auto`: the generator's log-probs of the tokens it sampled are the old log-probs, with no "
                             "pass over the batch, while they are the actor's: each step's first micro-batch (before any "
-                            "update) measures the gap, and past `old_logprob_tolerance` the pass runs after all. "
+                            "update) measures the gap, and past `old_logprob_tolerance` the pass runs after all, over "
+                            "the rows no first micro-batch has scored. "
                             "`recompute`: a no-grad pass with the actor every step (always, with importance_cap or a KL "
                             "placed in the reward).", json_schema_extra=HASHED_WHEN_SET)
     old_logprob_tolerance: float = Field(1e-3, gt=0, description="Mean |log π_engine - log π_actor| per token above "

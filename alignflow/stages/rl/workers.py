@@ -24,7 +24,7 @@ from alignflow.stages.common.data import rank_micro_batches
 from alignflow.stages.common.generation import HFGenerator, Rollout, SamplingParams
 from alignflow.stages.common.models import is_lora, load_causal_lm, parameter_counts, load_reward_model, load_tokenizer, merged_state_dict, with_lora
 from alignflow.stages.common.reference import adapter_off
-from alignflow.stages.common.rowwise import all_rows
+from alignflow.stages.common.rowwise import RowBuffer, all_rows
 from alignflow.stages.common.progress import peak_rss_mib
 from alignflow.stages.common.workers import Worker
 from alignflow.stages.rl.experience import Experience, response_logprobs, response_values
@@ -32,12 +32,25 @@ from alignflow.stages.rl.kl import kl_per_token
 from alignflow.stages.rl.losses import aggregate, policy_loss, truncated_is_weight, value_loss
 
 
-def per_row(strategy, micro: int, exp: Experience, forward) -> torch.Tensor:
-    """(B, R) values of every row, computed in micro-batches split over the group (a collective:
-    every worker of the role calls it with the whole batch, and every worker gets all rows)."""
-    values = all_rows(strategy, exp.lengths, micro, lambda rows: {"v": forward(exp.micro_batch(rows).to(strategy.device))},
+def per_row(strategy, micro: int, exp: Experience, forward, rows: list[int] | None = None) -> torch.Tensor:
+    """(B, R) values of every row (or of `rows` only, 0 elsewhere), computed in micro-batches split over the group (a
+    collective: every worker of the role calls it with the whole batch and the same `rows`, and every worker gets
+    them all)."""
+    rows = list(range(len(exp))) if rows is None else rows
+    lengths = exp.lengths
+    values = all_rows(strategy, [lengths[i] for i in rows], micro,
+                      lambda chunk: {"v": forward(exp.micro_batch([rows[j] for j in chunk]).to(strategy.device))},
                       width=exp.mask.shape[1])
-    return values["v"] * exp.mask
+    out = torch.zeros(exp.mask.shape, dtype=torch.float32)
+    if rows:
+        out[rows] = values["v"]
+    return out * exp.mask
+
+
+def stochastic_forward(model: torch.nn.Module) -> bool:
+    """Whether a forward in training mode draws dropout masks (a LoRA adapter's dropout, attention dropout)."""
+    attention = float(getattr(getattr(model, "config", None), "attention_dropout", 0.0) or 0.0)
+    return model.training and (attention > 0 or any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules()))
 
 
 def frozen_strategy(rl: RLConfig):
@@ -127,10 +140,10 @@ class ActorWorker(TrainedRole):
         finally:
             model.train(training)
 
-    def logprobs(self, exp: Experience) -> torch.Tensor:
+    def logprobs(self, exp: Experience, rows: list[int] | None = None) -> torch.Tensor:
         temperature = self.rl.generation.temperature
         return per_row(self.strategy, self.rl.batch.micro_batch_size, exp,
-                       lambda sub: response_logprobs(self.strategy.engine, sub, temperature)[0])
+                       lambda sub: response_logprobs(self.strategy.engine, sub, temperature)[0], rows)
 
     def parameter_counts(self) -> tuple[int, int]:
         return parameter_counts(self.strategy.unwrap())
@@ -152,7 +165,7 @@ class ActorWorker(TrainedRole):
             r = sub.mask.shape[1]
             logp, entropy = response_logprobs(self.strategy.engine, sub, rl.generation.temperature, with_entropy=True)
             if old_state["old"] is None:
-                old_state.update(self._old_logprobs(exp, sub, logp.detach()))
+                old_state.update(self._old_logprobs(exp, sub, rows, logp.detach()))
             old = old_state["old"][rows, :r].to(logp.device)
             cap, floor = rl.generation.importance_cap, rl.generation.importance_floor
             weight = truncated_is_weight(old, sub.sampled_logp, sub.mask, cap, floor) if cap is not None else None
@@ -172,23 +185,38 @@ class ActorWorker(TrainedRole):
 
         sums = self._train(exp, step, micro_loss)
         steps = max(1, sums["optimizer_steps"])
-        checked = {k: old_state[k] for k in ("logprob_mismatch", "old_logprob_pass") if k in old_state}
+        checked = {k: old_state[k] for k in ("logprob_mismatch", "old_logprob_pass", "old_logprob_rows") if k in old_state}
         return {**checked, "policy_loss": sums["policy_loss"] / steps, "clip_frac": sums["clip_tokens"] / max(sums["tokens"], 1),
                 "entropy": sums["entropy_sum"] / max(sums["tokens"], 1), "approx_kl": sums["approx_kl_sum"] / max(sums["tokens"], 1),
                 **({"kl_loss": sums["kl_loss"] / steps} if "kl_loss" in sums else {}),
                 "grad_norm": sums["grad_norm"], "lr": sums["lr"], "actor_peak_rss_mib": peak_rss_mib()}
 
-    def _old_logprobs(self, exp: Experience, first: Experience, logp: torch.Tensor) -> dict[str, Any]:
+    def _old_logprobs(self, exp: Experience, first: Experience, first_rows: list[int], logp: torch.Tensor) -> dict[str, Any]:
         """The old log-probs of the whole batch, decided on the step's first micro-batch: no update has happened
         yet, so `logp` are the old policy's own. When the generator's log-probs of the same tokens are within
         `policy.old_logprob_tolerance` of them (mean per token over every rank's first micro-batch), they are the
-        old log-probs; otherwise the no-grad pass runs now, still at the old weights (every rank decides alike)."""
+        old log-probs; otherwise the no-grad pass runs now, still at the old weights (every rank decides alike),
+        over the rows that no rank's first micro-batch has just scored (`_rescore`)."""
         gap, tokens = self.strategy.all_reduce_sum([float(((logp - first.sampled_logp).abs() * first.mask).sum()),
                                                     float(first.mask.sum())])
         mismatch = gap / max(tokens, 1.0)
-        recompute = mismatch > self.rl.policy.old_logprob_tolerance
-        return {"old": self.logprobs(exp) if recompute else exp.sampled_logp, "logprob_mismatch": mismatch,
-                "old_logprob_pass": float(recompute)}
+        if mismatch <= self.rl.policy.old_logprob_tolerance:
+            return {"old": exp.sampled_logp, "logprob_mismatch": mismatch, "old_logprob_pass": 0.0, "old_logprob_rows": 0.0}
+        old, rows = self._rescore(exp, first_rows, logp)
+        return {"old": old, "logprob_mismatch": mismatch, "old_logprob_pass": 1.0, "old_logprob_rows": float(rows)}
+
+    def _rescore(self, exp: Experience, first_rows: list[int], logp: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """(old log-probs of every row, rows the pass scored). Each rank's first micro-batch ran at the old weights,
+        so its `logp` are old log-probs already (half the batch of a GRPO step of two optimizer steps): they are
+        summed over ranks and the pass scores the rest. Not where the training forward draws dropout masks: there
+        the pass, in eval mode, scores every row."""
+        if stochastic_forward(self.strategy.unwrap()):
+            return self.logprobs(exp), len(exp)
+        known = RowBuffer(len(exp), exp.mask.shape[1])
+        known.put(first_rows, {"logp": logp, "scored": torch.ones_like(logp)})
+        got = known.gather(self.strategy)
+        rest = got["scored"][:, 0].eq(0).nonzero().flatten().tolist()
+        return got["logp"] * exp.mask + self.logprobs(exp, rest), len(rest)
 
     def weights(self) -> dict[str, torch.Tensor] | None:
         """Full weights on rank 0 (gathered under ZeRO-3; every rank must call); LoRA: merged, under the base
