@@ -3,7 +3,7 @@ with the phase breakdown (generation + scoring, log-probs, training, weight sync
 
 Run:   .venv/bin/python benchmarks/grpo_throughput.py [--steps 100] [--warmup 5] [--model builtin:tiny|builtin:small|DIR]
                                                       [--repeats 1] [--wait-idle 0] [--json out.json]
-                                                      [--frameworks alignflow,trl]
+                                                      [--frameworks alignflow,trl] [--precision fp32|bf16]
 
 Each framework runs in its own subprocess (this same file with `--worker ...`), one after another, with the same torch
 thread count (all cores this process may use) and the same environment (`worker_env` of benchmarks/sft_throughput.py,
@@ -20,11 +20,17 @@ actor's); `alignflow-separate`, the layout before issue 15 (`workers.hybrid=fals
 separate rollout worker with a weight push every step, and the no-grad pass over the batch), with everything else as
 shipped; `alignflow-async`, `rollout.asynchronous=true` with `workers.colocate=pairs`: the rollout worker generates
 step t+1's samples on half the cores (--threads / 2 torch threads) while the actor trains on step t's on the other
-half; its "generation" phase is the time the step waits for them; `trl`.
+half; its "generation" phase is the time the step waits for them; `alignflow-no-pass`,
+`policy.old_logprob_tolerance=1.0`: the generator's log-probs always stand in for the old ones, so the guard never
+runs the old-log-prob pass (in bf16, where the pass runs every step, this shows what it costs); `trl`.
 
 The same work on both sides
 - model: the same local HF folder, fp32, sdpa attention, no gradient checkpointing, no bf16 (TRL's configs default to
-  gradient checkpointing and bf16: both are turned off explicitly). `builtin:tiny` (the default) has seeded random
+  gradient checkpointing and bf16: both are turned off explicitly). `--precision bf16` runs each framework's own bf16
+  mode instead: alignflow `rl.model.dtype=bfloat16` with `rl.deepspeed.precision=bf16` (bf16 weights, so the actor
+  also generates in bf16; fp32 master weights in the optimizer; the old-log-prob pass comes back on the steps where the
+  generator's log-probs differ from the trainer's by more than `policy.old_logprob_tolerance`), TRL `bf16=True`
+  (autocast over fp32 weights, generation included). `builtin:tiny` (the default) has seeded random
   weights: it never produces a right answer, so every reward is 0, every group's advantages are 0 and the gradients
   are 0 on both sides. The work is still all done (generation, log-probs, forward/backward, clipping, AdamW step), so
   the speed figures hold, but nothing is learned. `--model DIR` takes any local HF folder, e.g. the `model/` folder
@@ -75,7 +81,8 @@ What is measured (per RL step; the first --warmup RL steps are not timed)
 - alignflow: the published metrics.json `history` gives each step's phases, timed by the driver (`Loop.step`):
   `phase/generate_and_score_s` (prompt pick, the Ray call to the worker that generates, decode + reward
   function), `phase/inference_s` (building the batch's tensors and, where it runs, the actor's no-grad old log-prob
-  pass, through Ray), `phase/train_s` (advantages and the actor's 2 optimizer steps, through Ray), `phase/sync_s` (the
+  pass, through Ray), `phase/train_s` (advantages and the actor's 2 optimizer steps, through Ray; where the guard finds the
+  generator's log-probs past the tolerance, e.g. in bf16, the old-log-prob pass runs here, inside the actor's call), `phase/sync_s` (the
   actor's full weights through Ray's object store into the rollout worker; 0 in the hybrid layout). Step time = the sum of these four. The worker also wraps `Loop.step` to record its whole
   span: "unaccounted" = span - phase sum (the per-step metrics computed after the sync; should be ~0), and the
   loop wall (first timed step start -> last timed step end, so it also holds what runs between steps: the metrics
@@ -153,7 +160,9 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from sft_throughput import busy_cpu_seconds, children_cpu_seconds, cpu_threads, wait_until_idle, worker_env  # noqa: E402
+from sft_throughput import (  # noqa: E402
+    add_precision_argument, busy_cpu_seconds, children_cpu_seconds, cpu_threads, wait_until_idle, worker_env,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = ROOT / "configs" / "tiny.yaml"
@@ -183,7 +192,7 @@ PHASE_NAMES = {"gen_s": "generation + scoring", "logp_s": "log-probs", "train_s"
 # alignflow as shipped, and the layout before issue 15's hybrid actor and skipped old-log-prob pass (a separate
 # rollout worker with a weight push every step, and the no-grad pass over the batch), measured in the same run.
 ALIGNFLOW_VARIANTS = {"alignflow": [], "alignflow-separate": ["rl.workers.hybrid=false", "rl.policy.old_logprobs=recompute"],
-                      "alignflow-async": ["rl.rollout.asynchronous=true", "rl.workers.colocate=pairs"]}
+                      "alignflow-async": ["rl.rollout.asynchronous=true", "rl.workers.colocate=pairs"], "alignflow-no-pass": ["rl.policy.old_logprob_tolerance=1.0"]}
 FRAMEWORKS = [*ALIGNFLOW_VARIANTS, "trl"]
 
 
@@ -306,7 +315,7 @@ def worker_alignflow(args: argparse.Namespace) -> dict[str, Any]:
         # beside tiny.yaml's sft stage it is a second final model, and the benchmark registers nothing
         f"storage.root={args.tmp}/outputs",
         f"rl.model.name_or_path={resolve_model_path(args.model)}",
-        "rl.model.dtype=float32",
+        f"rl.model.dtype={'bfloat16' if args.precision == 'bf16' else 'float32'}",
         "rl.model.attn_implementation=sdpa",
         "rl.model.gradient_checkpointing=false",
         f"rl.data.path={args.data}",
@@ -343,7 +352,7 @@ def worker_alignflow(args: argparse.Namespace) -> dict[str, Any]:
         "rl.batch.epochs=100000",  # max_steps decides
         f"rl.batch.seed={SEED}",
         "rl.deepspeed.zero_stage=0",
-        "rl.deepspeed.precision=fp32",
+        f"rl.deepspeed.precision={args.precision}",
         "rl.workers.actor=1",
         # asynchronous rollout: the rollout worker and the actor run at once, each on half the cores
         f"rl.workers.cpus_per_worker={max(1, args.threads // 2) if args.worker == 'alignflow-async' else args.threads}",
@@ -411,6 +420,7 @@ def worker_alignflow(args: argparse.Namespace) -> dict[str, Any]:
             "completions": COMPLETIONS, "gen_tokens": round(h["train/response_length"] * COMPLETIONS),
             "reward_mean": h["reward/mean"], "gen_tokens_per_s_reported": h.get("train/gen_tokens_per_s"),
             "rollout_call_s": rollout_calls[i], "score_s": score_calls[i],
+            "old_logprob_pass": h.get("train/old_logprob_pass"), "logprob_mismatch": h.get("train/logprob_mismatch"),
             "policy_loss": h.get("train/policy_loss"), "entropy": h.get("train/entropy"), "clip_frac": h.get("train/clip_frac"),
             "t_begin": spans[i][0], "t_end": spans[i][1],
         })
@@ -557,7 +567,7 @@ def worker_trl(args: argparse.Namespace) -> dict[str, Any]:
         optim="adamw_torch",  # torch.optim.AdamW, non-fused, as alignflow
         max_grad_norm=GRAD_CLIP,
         lr_scheduler_type="constant", warmup_steps=0,
-        bf16=False, fp16=False, gradient_checkpointing=False,
+        bf16=args.precision == "bf16", fp16=False, gradient_checkpointing=False,  # bf16: autocast, fp32 weights
         use_cpu=True,
         eval_strategy="no", save_strategy="no", report_to="none",
         logging_steps=1, disable_tqdm=True, log_completions=False,
@@ -720,6 +730,9 @@ def summarise(result: dict[str, Any], warmup: int) -> dict[str, Any]:
         "reward_last": result["steps"][-1].get("reward_mean"),
         "reward_mean_timed": sum(s["reward_mean"] for s in timed) / n,
     }
+    if all(s.get("old_logprob_pass") is not None for s in timed):  # alignflow: on how many steps the guard ran the pass
+        out["old_logprob_passes"] = int(sum(s["old_logprob_pass"] for s in timed))
+        out["logprob_mismatch_max"] = max(s["logprob_mismatch"] for s in timed)
     for key in ("rollout_call_s", "score_s", "generate_call_s", "reward_call_s"):
         if all(key in s for s in timed):
             out[key] = sum(s[key] for s in timed) / n
@@ -737,7 +750,7 @@ def summarise(result: dict[str, Any], warmup: int) -> dict[str, Any]:
 def worker_command(args: argparse.Namespace, framework: str, out: Path, tmp: Path) -> list[str]:
     return [
         sys.executable, str(Path(__file__).resolve()), "--worker", framework,
-        "--steps", str(args.steps), "--warmup", str(args.warmup), "--model", args.model,
+        "--steps", str(args.steps), "--warmup", str(args.warmup), "--model", args.model, "--precision", args.precision,
         "--data", str(args.data), "--config", str(args.config), "--threads", str(args.threads), "--eval-every", str(args.eval_every),
         "--tmp", str(tmp), "--worker-out", str(out),
     ]
@@ -832,7 +845,7 @@ def markdown(rows: list[dict[str, Any]], args: argparse.Namespace, meta: dict[st
     fmt = lambda v, spec, suffix="": "n/a" if v is None else format(v, spec) + suffix  # noqa: E731
     lines = [
         f"GRPO throughput, model `{args.model}`, {PROMPTS_PER_STEP} prompts x {SAMPLES_PER_PROMPT} samples = {COMPLETIONS} completions "
-        f"per RL step, max {MAX_NEW_TOKENS} new tokens, 2 optimizer steps of {OPTIM_BATCH}, fp32, {args.threads} torch threads, "
+        f"per RL step, max {MAX_NEW_TOKENS} new tokens, 2 optimizer steps of {OPTIM_BATCH}, {args.precision}, {args.threads} torch threads, "
         f"{args.steps} timed RL steps after {args.warmup} warmup steps"
         + (f", median of {args.repeats} runs" if args.repeats > 1 else "") + (f" ({meta['versions']})" if meta["versions"] else ""),
         "",
@@ -883,7 +896,9 @@ def markdown(rows: list[dict[str, Any]], args: argparse.Namespace, meta: dict[st
             f"decode + reward {fmt(a.get('score_s'), '.3f')} s/step; generation-phase rate {a['gen_phase_tokens_per_s']:,.0f} tokens/s. "
             f"Setup {fmt(a.get('setup_s'), '.1f')} s (Ray start {fmt(parts.get('ray_start_s'), '.1f')} s, actor + rollout workers "
             f"{fmt(parts.get('workers_start_s'), '.1f')} s). "
-            f"Ray processes reaped by the worker: {a.get('subreaper')}; left running: {a.get('leftover_child_pids') or 'none'}."
+            + (f"Old-log-prob pass on {a['old_logprob_passes']} of {a['timed_steps']} timed steps (largest generator-vs-actor gap "
+               f"{a['logprob_mismatch_max']:.1e} a token, tolerance from the config). " if a.get('old_logprob_passes') is not None else "")
+            + f"Ray processes reaped by the worker: {a.get('subreaper')}; left running: {a.get('leftover_child_pids') or 'none'}."
         )
     if t:
         lines.append(
@@ -944,7 +959,7 @@ def parent(args: argparse.Namespace) -> int:
         payload = {
             "settings": {
                 "model": args.model, "data": str(args.data), "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats,
-                "threads": args.threads, "prompts_per_step": PROMPTS_PER_STEP, "samples_per_prompt": SAMPLES_PER_PROMPT,
+                "threads": args.threads, "precision": args.precision, "prompts_per_step": PROMPTS_PER_STEP, "samples_per_prompt": SAMPLES_PER_PROMPT,
                 "optimizer_batch": OPTIM_BATCH, "max_new_tokens": MAX_NEW_TOKENS, "temperature": TEMPERATURE,
                 "clip": [CLIP_LOW, CLIP_HIGH], "lr": LR, "betas": BETAS, "eps": EPS, "grad_clip": GRAD_CLIP, "reward": REWARD_SPEC,
                 "versions": versions, "argv": shlex.join([sys.executable, *sys.argv]),
@@ -974,6 +989,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--eval-every", type=int, default=0, metavar="K",
                    help="held-out greedy accuracy (data/rl/eval.jsonl) before step 1 and every K RL steps, outside the step "
                         "times, and the training time each framework takes to gain 10 points (default 0: none)")
+    add_precision_argument(p)
     p.add_argument("--data", default=str(DEFAULT_DATA), help=argparse.SUPPRESS)
     p.add_argument("--config", default=str(DEFAULT_CONFIG), help=argparse.SUPPRESS)
     # worker mode (used by the parent)
