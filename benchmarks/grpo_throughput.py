@@ -190,9 +190,14 @@ PHASE_NAMES = {"gen_s": "generation + scoring", "logp_s": "log-probs", "train_s"
 
 
 # alignflow as shipped, and the layout before issue 15's hybrid actor and skipped old-log-prob pass (a separate
-# rollout worker with a weight push every step, and the no-grad pass over the batch), measured in the same run.
-ALIGNFLOW_VARIANTS = {"alignflow": [], "alignflow-separate": ["rl.workers.hybrid=false", "rl.policy.old_logprobs=recompute"],
-                      "alignflow-async": ["rl.rollout.asynchronous=true", "rl.workers.colocate=pairs"], "alignflow-no-pass": ["rl.policy.old_logprob_tolerance=1.0"]}
+# rollout worker with a weight push every step, and the no-grad pass over the batch), measured in the same run; the
+# asynchronous rollout; and the guard never calling the pass back (what the pass costs where it runs, as in bf16).
+ALIGNFLOW_VARIANTS = {
+    "alignflow": [],
+    "alignflow-separate": ["rl.workers.hybrid=false", "rl.policy.old_logprobs=recompute"],
+    "alignflow-async": ["rl.rollout.asynchronous=true", "rl.workers.colocate=pairs"],
+    "alignflow-no-pass": ["rl.policy.old_logprob_tolerance=1.0"],
+}
 FRAMEWORKS = [*ALIGNFLOW_VARIANTS, "trl"]
 
 

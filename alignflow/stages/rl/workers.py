@@ -216,7 +216,7 @@ class ActorWorker(TrainedRole):
         known.put(first_rows, {"logp": logp, "scored": torch.ones_like(logp)})
         got = known.gather(self.strategy)
         rest = got["scored"][:, 0].eq(0).nonzero().flatten().tolist()
-        return got["logp"] * exp.mask + self.logprobs(exp, rest), len(rest)
+        return got["logp"] + self.logprobs(exp, rest), len(rest)  # both 0 where the mask is
 
     def weights(self) -> dict[str, torch.Tensor] | None:
         """Full weights on rank 0 (gathered under ZeRO-3; every rank must call); LoRA: merged, under the base
