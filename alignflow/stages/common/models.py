@@ -3,6 +3,7 @@ or a published stage output (downloaded once from remote storage), by one path."
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import sys
@@ -26,6 +27,28 @@ def _transformers_without_scikit_learn() -> None:
     transformers.utils.is_sklearn_available = lambda: False
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+log = logging.getLogger(__name__)
+_warned_bf16: set[str] = set()
+
+
+def cpu_has_fast_bf16() -> bool:
+    """Whether oneDNN runs bf16 matmuls natively on this CPU (AVX-512 with BF16 or AMX, or AVX-512 that it
+    emulates bf16 with). Without it torch falls back to a slow generic kernel."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def warn_if_bf16_is_slow(setting: str) -> None:
+    """Once per setting and process: bf16 asked for on a CPU without fast bf16 matmuls, where it runs slower
+    than fp32 instead of faster (an AVX2-only EPYC Zen 3: a bf16 GEMM of builtin:small's shapes at 2 GFLOP/s
+    against 114 in fp32). Only a warning: the run is correct, and a user may mean to test a bf16 config here."""
+    if torch.cuda.is_available() or setting in _warned_bf16 or cpu_has_fast_bf16():
+        return
+    _warned_bf16.add(setting)
+    log.warning("%s: this CPU has no fast bf16 matmuls (no AVX-512 BF16, AMX or AVX-512 for oneDNN), so bf16 runs "
+                "slower than fp32 here; use float32 / fp32 on this machine", setting)
 REWARD_MEAN, REWARD_STD = "alignflow_reward_mean", "alignflow_reward_std"  # keys in a published reward model's config.json
 
 
@@ -76,6 +99,8 @@ def load_causal_lm(path: str, cfg: ModelConfig) -> torch.nn.Module:
     _transformers_without_scikit_learn()
     from transformers import AutoModelForCausalLM
 
+    if cfg.dtype == "bfloat16":
+        warn_if_bf16_is_slow("model.dtype: bfloat16")
     model = AutoModelForCausalLM.from_pretrained(resolve_model_path(path), dtype=DTYPES[cfg.dtype], attn_implementation=cfg.attn_implementation)
     return _for_training(model, cfg)
 
@@ -87,6 +112,8 @@ def load_reward_model(path: str, cfg: ModelConfig, pad_token_id: int) -> torch.n
     _transformers_without_scikit_learn()
     from transformers import AutoModelForSequenceClassification
 
+    if cfg.dtype == "bfloat16":
+        warn_if_bf16_is_slow("model.dtype: bfloat16")
     model = AutoModelForSequenceClassification.from_pretrained(
         resolve_model_path(path), num_labels=1, dtype=DTYPES[cfg.dtype], attn_implementation=cfg.attn_implementation
     )

@@ -22,6 +22,7 @@ import torch
 
 from alignflow.config.base import BatchConfig, DeepSpeedConfig, OptimConfig
 from alignflow.infra.ports import free_port
+from alignflow.stages.common.models import warn_if_bf16_is_slow
 from alignflow.stages.common.workers import THREADS_ENV  # set by worker groups: the CPUs Ray gave this worker
 
 if not torch.cuda.is_available():
@@ -91,6 +92,8 @@ class Strategy:
                 f"({batch.micro_batch_size}) x workers ({self.world_size})"
             )
         self.grad_accum = per_step // (batch.micro_batch_size * self.world_size) if optim is not None else 1
+        if ds.precision == "bf16":
+            warn_if_bf16_is_slow("deepspeed.precision: bf16")
         if torch.cuda.is_available():
             torch.cuda.set_device(self.device)
         else:
