@@ -27,6 +27,7 @@ def _transformers_without_scikit_learn() -> None:
     transformers.utils.is_sklearn_available = lambda: False
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+REWARD_MEAN, REWARD_STD = "alignflow_reward_mean", "alignflow_reward_std"  # keys in a published reward model's config.json
 log = logging.getLogger(__name__)
 _warned_bf16: set[str] = set()
 
@@ -49,7 +50,6 @@ def warn_if_bf16_is_slow(setting: str) -> None:
     _warned_bf16.add(setting)
     log.warning("%s: this CPU has no fast bf16 matmuls (no AVX-512 BF16, AMX or AVX-512 for oneDNN), so bf16 runs "
                 "slower than fp32 here; use float32 / fp32 on this machine", setting)
-REWARD_MEAN, REWARD_STD = "alignflow_reward_mean", "alignflow_reward_std"  # keys in a published reward model's config.json
 
 
 def resolve_model_path(name_or_path: str) -> str:
