@@ -69,3 +69,16 @@ def test_the_strategy_and_the_loader_ask(precision, dtype, expected):
     assert proc.returncode == 0, proc.stderr[-3000:]
     said = [line.split(": this CPU")[0] for line in proc.stderr.splitlines() if "no fast bf16 matmuls" in line]
     assert said == expected, json.dumps(proc.stderr[-2000:])
+
+
+@pytest.mark.parametrize("dtype,warnings", [("bfloat16", 1), ("float32", 0)])
+def test_the_reward_scorer_asks(monkeypatch, caplog, dtype, warnings):
+    """RL's reward worker scores in `rl.model.dtype` through RewardScorer: it checks before it loads."""
+    from alignflow.stages.common.builtin_model import resolve_builtin
+    from alignflow.stages.rm.scoring import RewardScorer
+
+    monkeypatch.setattr(models, "cpu_has_fast_bf16", lambda: False)
+    with caplog.at_level(logging.WARNING, logger=models.__name__):
+        with pytest.raises(ValueError, match="not a reward model"):  # builtin:tiny is a causal LM, refused once loaded
+            RewardScorer(resolve_builtin("builtin:tiny"), dtype=dtype)
+    assert len(warnings_of(caplog)) == warnings

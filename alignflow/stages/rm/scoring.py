@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from alignflow.stages.common.data import chat_prompt_text
-from alignflow.stages.common.models import DTYPES, REWARD_MEAN, REWARD_STD
+from alignflow.stages.common.models import DTYPES, REWARD_MEAN, REWARD_STD, warn_if_bf16_is_slow
 
 
 class RewardScorer:
@@ -21,6 +21,8 @@ class RewardScorer:
                  batch_size: int = 64):
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
+        if dtype == "bfloat16":
+            warn_if_bf16_is_slow("model.dtype: bfloat16")
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.model = AutoModelForSequenceClassification.from_pretrained(path, dtype=DTYPES[dtype]).to(device).eval()
         config = self.model.config
