@@ -3,6 +3,7 @@ against 114 in fp32 on an EPYC Zen 3) warns once per setting, naming it; where t
 
 import json
 import logging
+import os
 import subprocess
 import sys
 import textwrap
@@ -46,15 +47,13 @@ def test_no_warning_where_bf16_matmuls_are_fast_or_on_a_gpu(monkeypatch, caplog)
 
 
 WIRING = textwrap.dedent("""
-    import json, sys
+    import sys
     from alignflow.config.base import BatchConfig, DeepSpeedConfig, ModelConfig, OptimConfig
     from alignflow.stages.common import models
     from alignflow.stages.common.strategy import Strategy
 
     models.cpu_has_fast_bf16 = lambda: False  # as on an AVX2-only CPU, whatever this one has
-    print("-- strategy", file=sys.stderr, flush=True)
     Strategy(DeepSpeedConfig(precision=sys.argv[1]), BatchConfig(global_batch_size=2, micro_batch_size=2), OptimConfig())
-    print("-- loader", file=sys.stderr, flush=True)
     models.load_causal_lm("builtin:tiny", ModelConfig(dtype=sys.argv[2]))
 """)
 
@@ -65,7 +64,7 @@ def test_the_strategy_and_the_loader_ask(precision, dtype, expected):
     """The real call sites, in a fresh process (the strategy sets up torch.distributed): a bf16 strategy and a bf16
     model load each warn, with the setting; fp32 says nothing."""
     proc = subprocess.run([sys.executable, "-c", WIRING, precision, dtype], capture_output=True, text=True, timeout=300,
-                          env={**__import__("os").environ, "DS_ACCELERATOR": "cpu"})
+                          env={**os.environ, "DS_ACCELERATOR": "cpu"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     said = [line.split(": this CPU")[0] for line in proc.stderr.splitlines() if "no fast bf16 matmuls" in line]
     assert said == expected, json.dumps(proc.stderr[-2000:])

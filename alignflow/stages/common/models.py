@@ -52,6 +52,13 @@ def warn_if_bf16_is_slow(setting: str) -> None:
                 "slower than fp32 here; use float32 / fp32 on this machine", setting)
 
 
+def load_dtype(name: str) -> torch.dtype:
+    """The torch dtype a model loads in (`model.dtype`), checked against this CPU's bf16 speed."""
+    if name == "bfloat16":
+        warn_if_bf16_is_slow("model.dtype: bfloat16")
+    return DTYPES[name]
+
+
 def resolve_model_path(name_or_path: str) -> str:
     if is_builtin(name_or_path):
         return resolve_builtin(name_or_path)
@@ -99,9 +106,7 @@ def load_causal_lm(path: str, cfg: ModelConfig) -> torch.nn.Module:
     _transformers_without_scikit_learn()
     from transformers import AutoModelForCausalLM
 
-    if cfg.dtype == "bfloat16":
-        warn_if_bf16_is_slow("model.dtype: bfloat16")
-    model = AutoModelForCausalLM.from_pretrained(resolve_model_path(path), dtype=DTYPES[cfg.dtype], attn_implementation=cfg.attn_implementation)
+    model = AutoModelForCausalLM.from_pretrained(resolve_model_path(path), dtype=load_dtype(cfg.dtype), attn_implementation=cfg.attn_implementation)
     return _for_training(model, cfg)
 
 
@@ -112,10 +117,8 @@ def load_reward_model(path: str, cfg: ModelConfig, pad_token_id: int) -> torch.n
     _transformers_without_scikit_learn()
     from transformers import AutoModelForSequenceClassification
 
-    if cfg.dtype == "bfloat16":
-        warn_if_bf16_is_slow("model.dtype: bfloat16")
     model = AutoModelForSequenceClassification.from_pretrained(
-        resolve_model_path(path), num_labels=1, dtype=DTYPES[cfg.dtype], attn_implementation=cfg.attn_implementation
+        resolve_model_path(path), num_labels=1, dtype=load_dtype(cfg.dtype), attn_implementation=cfg.attn_implementation
     )
     model.config.pad_token_id = pad_token_id
     return _for_training(model, cfg)

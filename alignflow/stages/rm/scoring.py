@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from alignflow.stages.common.data import chat_prompt_text
-from alignflow.stages.common.models import DTYPES, REWARD_MEAN, REWARD_STD, warn_if_bf16_is_slow
+from alignflow.stages.common.models import REWARD_MEAN, REWARD_STD, load_dtype
 
 
 class RewardScorer:
@@ -21,10 +21,8 @@ class RewardScorer:
                  batch_size: int = 64):
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-        if dtype == "bfloat16":
-            warn_if_bf16_is_slow("model.dtype: bfloat16")
         self.tokenizer = AutoTokenizer.from_pretrained(path)
-        self.model = AutoModelForSequenceClassification.from_pretrained(path, dtype=DTYPES[dtype]).to(device).eval()
+        self.model = AutoModelForSequenceClassification.from_pretrained(path, dtype=load_dtype(dtype)).to(device).eval()
         config = self.model.config
         if config.num_labels != 1 or config.pad_token_id is None:
             raise ValueError(f"{path}: not a reward model (needs num_labels=1 and a pad_token_id; got {config.num_labels}, {config.pad_token_id})")
