@@ -17,14 +17,18 @@ from alignflow.infra import storage
 from alignflow.stages.common.builtin_model import cache_root, is_builtin, resolve_builtin
 
 
-def _transformers_without_scikit_learn() -> None:
-    """Called before the loaders import from transformers (not at import: a stage that loads no model, such as
-    select, imports no transformers). transformers imports scikit-learn (about 1 s of a job's start here) when it
-    is installed, as MLflow installs it, for the `roc_curve` of assisted decoding, which no stage uses. Told it is
-    absent, transformers skips it; the package itself stays importable (a reward function may use it)."""
+def transformers_without_unused_extras() -> None:
+    """Called before anything imports from transformers (not at import: a stage that loads no model, such as
+    select, imports no transformers). transformers imports scikit-learn and SciPy when they are installed, as
+    MLflow installs them: scikit-learn for the `roc_curve` of assisted decoding, SciPy for the matching of
+    object-detection losses. No stage uses either, and they cost about 2 s of each worker process's start here
+    (every role of an RL stage is one). Told they are absent, transformers skips them; the packages themselves
+    stay importable (a reward function may use them)."""
     import transformers.utils
 
     transformers.utils.is_sklearn_available = lambda: False
+    transformers.utils.is_scipy_available = lambda: False
+
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 REWARD_MEAN, REWARD_STD = "alignflow_reward_mean", "alignflow_reward_std"  # keys in a published reward model's config.json
@@ -93,7 +97,7 @@ def fetch_published_model(stage_uri: str, digest: str) -> str:
 
 
 def load_tokenizer(path: str):
-    _transformers_without_scikit_learn()
+    transformers_without_unused_extras()
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(resolve_model_path(path))
@@ -103,7 +107,7 @@ def load_tokenizer(path: str):
 
 
 def load_causal_lm(path: str, cfg: ModelConfig) -> torch.nn.Module:
-    _transformers_without_scikit_learn()
+    transformers_without_unused_extras()
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(resolve_model_path(path), dtype=load_dtype(cfg.dtype), attn_implementation=cfg.attn_implementation)
@@ -114,7 +118,7 @@ def load_reward_model(path: str, cfg: ModelConfig, pad_token_id: int) -> torch.n
     """A causal LM backbone with a scalar head (`AutoModelForSequenceClassification`, one label):
     the plain HF class, so the published folder loads back with transformers alone. The score
     is read at the last non-padding token, which is why the pad id must be in the config."""
-    _transformers_without_scikit_learn()
+    transformers_without_unused_extras()
     from transformers import AutoModelForSequenceClassification
 
     model = AutoModelForSequenceClassification.from_pretrained(

@@ -22,7 +22,7 @@ import torch
 
 from alignflow.config.base import BatchConfig, DeepSpeedConfig, OptimConfig
 from alignflow.infra.ports import free_port
-from alignflow.stages.common.models import warn_if_bf16_is_slow
+from alignflow.stages.common.models import transformers_without_unused_extras, warn_if_bf16_is_slow
 from alignflow.stages.common.workers import THREADS_ENV  # set by worker groups: the CPUs Ray gave this worker
 
 if not torch.cuda.is_available():
@@ -146,6 +146,7 @@ class Strategy:
         if self.ds.zero_stage != 3:
             yield
             return
+        transformers_without_unused_extras()
         from transformers.integrations import HfDeepSpeedConfig
 
         self._hf_ds_config = HfDeepSpeedConfig(self.ds_config())  # transformers reads it while it stays alive

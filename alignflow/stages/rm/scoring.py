@@ -13,12 +13,13 @@ from __future__ import annotations
 import torch
 
 from alignflow.stages.common.data import chat_prompt_text
-from alignflow.stages.common.models import REWARD_MEAN, REWARD_STD, load_dtype
+from alignflow.stages.common.models import REWARD_MEAN, REWARD_STD, load_dtype, transformers_without_unused_extras
 
 
 class RewardScorer:
     def __init__(self, path: str, device: str | torch.device = "cpu", dtype: str = "float32", normalize: bool = False,
                  batch_size: int = 64):
+        transformers_without_unused_extras()
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(path)

@@ -1,0 +1,42 @@
+"""A process that loads models (each RL role's worker, a stage job) does not import scikit-learn or SciPy:
+transformers imports both when installed (MLflow installs them), and they cost about 2 s of each worker's start."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+LOADS = textwrap.dedent("""
+    import json, sys
+    from alignflow.config.base import BatchConfig, DeepSpeedConfig, ModelConfig, OptimConfig
+    from alignflow.stages.common import models
+    from alignflow.stages.common.strategy import Strategy
+    from alignflow.stages.rm.scoring import RewardScorer
+
+    if sys.argv[1] == "reward scorer":  # the RL reward worker's first transformers import
+        try:
+            RewardScorer(models.resolve_builtin("builtin:tiny"))
+        except ValueError:  # loaded, then refused: builtin:tiny is a causal LM
+            pass
+    else:  # a trainer's: the ZeRO-3 model context, then the loaders
+        strategy = Strategy(DeepSpeedConfig(zero_stage=3), BatchConfig(global_batch_size=2, micro_batch_size=2), OptimConfig())
+        with strategy.model_init():
+            models.load_causal_lm("builtin:tiny", ModelConfig())
+            models.load_reward_model("builtin:tiny", ModelConfig(), 0)
+        models.load_tokenizer("builtin:tiny")
+    import transformers.generation.candidate_generator, transformers.loss.loss_utils  # what imported them before
+    print(json.dumps(sorted(name for name in ("sklearn", "scipy") if name in sys.modules)))
+    import scipy.optimize, sklearn.metrics  # only transformers was told they are absent: a reward function may use them
+""")
+
+
+@pytest.mark.parametrize("first", ["reward scorer", "trainer"])
+def test_model_loads_import_neither_scikit_learn_nor_scipy_and_user_code_still_can(first):
+    proc = subprocess.run([sys.executable, "-c", LOADS, first], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "DS_ACCELERATOR": "cpu"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.splitlines()[-1]) == []
+
