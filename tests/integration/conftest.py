@@ -61,15 +61,20 @@ def tiny_rm(tiny_sft):
         return cfg, main(cfg, "rm")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def ray_session():
-    """One private Ray instance per test module (the RL modules use it): each stage run starts its own
-    worker groups in it."""
+    """One private Ray instance for the session's modules that run worker groups: each stage run starts its own
+    groups in it and removes them (and their placement groups) when it ends. Shared, not one per module: a
+    private instance takes 5-7 s to start and stop on a 2-core machine."""
+    import ray
+
     from alignflow.stages.common.workers import connect_ray
 
     disconnect = connect_ray()
     yield
+    left = {pg_id: pg["bundles"] for pg_id, pg in ray.util.placement_group_table().items() if pg["state"] != "REMOVED"}
     disconnect()
+    assert not left, f"placement groups that a stage run did not remove: {left}"
 
 
 def history(stage_uri: str) -> list[dict]:

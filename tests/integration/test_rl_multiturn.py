@@ -13,7 +13,7 @@ from alignflow.stages.rl.stage import main
 
 from .conftest import QUIET, ROOT, history
 
-pytestmark = pytest.mark.usefixtures("ray_session")  # one private Ray for the module
+pytestmark = pytest.mark.usefixtures("ray_session")  # the session's private Ray
 
 
 def config(root, *overrides):

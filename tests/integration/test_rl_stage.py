@@ -17,7 +17,7 @@ from alignflow.stages.rl.stage import main
 
 from .conftest import QUIET, ROOT, history, weights
 
-pytestmark = pytest.mark.usefixtures("ray_session")  # one private Ray for the module
+pytestmark = pytest.mark.usefixtures("ray_session")  # the session's private Ray
 
 
 def config(root, *overrides, file="tiny.yaml"):
