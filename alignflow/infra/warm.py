@@ -213,6 +213,10 @@ class Preloaded:
 
         before, running = dict(os.environ), set(threading.enumerate())
         recorder = os.environ = _ReadRecorder(os.environ)
+        if "transformers" in modules:  # told first, as a job's model load tells it: no scikit-learn or SciPy (2 s here)
+            from alignflow.stages.common.models import transformers_without_unused_extras
+
+            transformers_without_unused_extras()
         for name in modules:
             importlib.import_module(name)
         os.environ = os._Environ(recorder._data, recorder.encodekey, recorder.decodevalue, recorder.encodevalue,

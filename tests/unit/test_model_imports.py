@@ -1,5 +1,6 @@
-"""A process that loads models (each RL role's worker, a stage job) does not import scikit-learn or SciPy:
-transformers imports both when installed (MLflow installs them), and they cost about 2 s of each worker's start."""
+"""A process that loads models (each RL role's worker, a stage job, the warm stage server that jobs fork from)
+does not import scikit-learn or SciPy's optimizers: transformers imports both when installed (MLflow installs them),
+and they cost about 2 s of each such process's start."""
 
 import json
 import os
@@ -16,7 +17,10 @@ LOADS = textwrap.dedent("""
     from alignflow.stages.common.strategy import Strategy
     from alignflow.stages.rm.scoring import RewardScorer
 
-    if sys.argv[1] == "reward scorer":  # the RL reward worker's first transformers import
+    if sys.argv[1] == "warm server":  # what a Ray head's warm stage server imports before it takes jobs
+        from alignflow.infra.warm import Preloaded
+        Preloaded()
+    elif sys.argv[1] == "reward scorer":  # the RL reward worker's first transformers import
         try:
             RewardScorer(models.resolve_builtin("builtin:tiny"))
         except ValueError:  # loaded, then refused: builtin:tiny is a causal LM
@@ -28,12 +32,12 @@ LOADS = textwrap.dedent("""
             models.load_reward_model("builtin:tiny", ModelConfig(), 0)
         models.load_tokenizer("builtin:tiny")
     import transformers.generation.candidate_generator, transformers.loss.loss_utils  # what imported them before
-    print(json.dumps(sorted(name for name in ("sklearn", "scipy") if name in sys.modules)))
+    print(json.dumps(sorted(name for name in ("sklearn", "scipy.optimize") if name in sys.modules)))
     import scipy.optimize, sklearn.metrics  # only transformers was told they are absent: a reward function may use them
 """)
 
 
-@pytest.mark.parametrize("first", ["reward scorer", "trainer"])
+@pytest.mark.parametrize("first", ["reward scorer", "trainer", "warm server"])
 def test_model_loads_import_neither_scikit_learn_nor_scipy_and_user_code_still_can(first):
     proc = subprocess.run([sys.executable, "-c", LOADS, first], capture_output=True, text=True, timeout=300,
                           env={**os.environ, "DS_ACCELERATOR": "cpu"})
