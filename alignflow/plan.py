@@ -91,6 +91,9 @@ class StagePlan:
 
 def model_config(name: str):
     """The transformers config of a built-in, a local folder or a hub name (from the local cache only)."""
+    from alignflow.stages.common.models import transformers_without_unused_extras
+
+    transformers_without_unused_extras()
     from transformers import AutoConfig
 
     from alignflow.stages.common.builtin_model import is_builtin, resolve_builtin
@@ -110,11 +113,11 @@ def model_config(name: str):
 
 def model_shape(name: str, lora=None, reward: bool = False) -> ModelShape:
     import torch
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     from alignflow.stages.common.models import parameter_counts, with_lora
 
     config = model_config(name)
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
     with torch.device("meta"):
         if reward:
             model = AutoModelForSequenceClassification.from_config(config, num_labels=1)

@@ -1,6 +1,6 @@
-"""A process that loads models (each RL role's worker, a stage job, the warm stage server that jobs fork from)
-does not import scikit-learn or SciPy's optimizers: transformers imports both when installed (MLflow installs them),
-and they cost about 2 s of each such process's start."""
+"""A process that loads models (each RL role's worker, a stage job, the warm stage server that jobs fork from,
+`alignflow plan`) does not import scikit-learn or SciPy's optimizers: transformers imports both when installed
+(MLflow installs them), and they cost about 2 s of each such process's start."""
 
 import json
 import os
@@ -17,7 +17,10 @@ LOADS = textwrap.dedent("""
     from alignflow.stages.common.strategy import Strategy
     from alignflow.stages.rm.scoring import RewardScorer
 
-    if sys.argv[1] == "warm server":  # what a Ray head's warm stage server imports before it takes jobs
+    if sys.argv[1] == "plan":  # `alignflow plan`: model shapes on the meta device
+        from alignflow import plan
+        plan.model_shape("builtin:tiny")
+    elif sys.argv[1] == "warm server":  # what a Ray head's warm stage server imports before it takes jobs
         from alignflow.infra.warm import Preloaded
         Preloaded()
     elif sys.argv[1] == "reward scorer":  # the RL reward worker's first transformers import
@@ -37,7 +40,7 @@ LOADS = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("first", ["reward scorer", "trainer", "warm server"])
+@pytest.mark.parametrize("first", ["reward scorer", "trainer", "warm server", "plan"])
 def test_model_loads_import_neither_scikit_learn_nor_scipy_and_user_code_still_can(first):
     proc = subprocess.run([sys.executable, "-c", LOADS, first], capture_output=True, text=True, timeout=300,
                           env={**os.environ, "DS_ACCELERATOR": "cpu"})
