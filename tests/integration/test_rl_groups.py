@@ -3,12 +3,11 @@ reference and reward groups all exist) on 2 workers per group under DeepSpeed Ze
 trains like 1 worker per group with the same global batch, and ZeRO-3 really partitions the
 frozen roles' weights over their workers.
 
-Cheap on purpose: the upstream SFT and reward model are trained for a few steps only (the numbers
-need not be good, only the same), and PPO runs 2 RL steps of 32 responses each."""
+Cheap on purpose: the upstream SFT and reward model are the session's (trained once for every module that
+needs them), and PPO runs 2 RL steps of 32 responses each."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 from pathlib import Path
 
@@ -42,19 +41,10 @@ REL, ABS = 1e-4, 1e-6
 
 
 @pytest.fixture(scope="module")
-def upstream(tmp_path_factory) -> dict[str, str]:
-    """A briefly trained SFT model and reward model (tiny-ppo.yaml's sft and rm): {input role: stage URI}."""
-    from alignflow.stages.rm.stage import main as rm_main
-    from alignflow.stages.sft.stage import main as sft_main
-
-    root = tmp_path_factory.mktemp("rl-groups-upstream")
-    short = [f"storage.root={root}", *QUIET, "rm.from=sft", "sft.batch.max_steps=10", "sft.logging.eval_every=1000",
-             "rm.batch.max_steps=5", "rm.data.max_samples=320", "rm.logging.eval_every=1000"]
-    with contextlib.chdir(ROOT):
-        cfg = load_config(ROOT / "configs" / "tiny.yaml", short)
-        sft = sft_main(cfg, "sft")
-        rm = rm_main(cfg, "rm")  # finds the SFT output from the config
-    return {"from": sft["uri"], "reward_model": rm["uri"]}
+def upstream(tiny_sft, tiny_rm) -> dict[str, str]:
+    """The session's SFT model and reward model (tiny.yaml's, trained once for every module that needs them):
+    {input role: stage URI}."""
+    return {"from": tiny_sft[1]["uri"], "reward_model": tiny_rm[1]["uri"]}
 
 
 def ppo(root: Path, inputs: dict[str, str], workers: int, zero_stage: int) -> dict:
