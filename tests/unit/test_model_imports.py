@@ -1,6 +1,6 @@
 """A process that loads models (each RL role's worker, a stage job, the warm stage server that jobs fork from,
 `alignflow plan`) does not import scikit-learn or SciPy's optimizers: transformers imports both when installed
-(MLflow installs them), and they cost about 2 s of each such process's start."""
+(MLflow installs them), and they cost up to 2 s of each such process's start on 2 cores."""
 
 import json
 import os

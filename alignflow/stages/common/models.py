@@ -21,7 +21,7 @@ def transformers_without_unused_extras() -> None:
     """Called before anything imports from transformers (not at import: a stage that loads no model, such as
     select, imports no transformers). transformers imports scikit-learn and SciPy when they are installed, as
     MLflow installs them: scikit-learn for the `roc_curve` of assisted decoding, SciPy for the matching of
-    object-detection losses. No stage uses either, and they cost about 2 s of each worker process's start here
+    object-detection losses. No stage uses either, and they cost up to 2 s of each worker process's start here
     (every role of an RL stage is one). Told they are absent, transformers skips them; the packages themselves
     stay importable (a reward function may use them)."""
     import transformers.utils
