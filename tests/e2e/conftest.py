@@ -1,4 +1,4 @@
-"""Real services, started once per session and shared: S3 API (moto server), Ray head,
+"""Real services, started once for this tier and shared by its tests: S3 API (moto server), Ray head,
 MLflow server (sqlite store, artifacts on the S3 server), Prefect server. All on 127.0.0.1."""
 
 from __future__ import annotations
@@ -14,8 +14,10 @@ ROOT = Path(__file__).resolve().parents[2]
 SECRET = "af-e2e-secret-7f3a9c"  # an S3 secret key that must never show up in MLflow
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def services(s3_server, tmp_path_factory):
+    """Stopped when the e2e tier's last test is done, not at the end of the session: idle, the three take 13% of a
+    core (Prefect's loop services, Ray's dashboard, agent and prestarted workers) from the tiers that run after."""
     from alignflow.infra.services import remove_home, start_all, start_mlflow_server, start_prefect_server, start_ray_head
 
     os.environ["AWS_SECRET_ACCESS_KEY"] = SECRET

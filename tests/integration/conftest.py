@@ -61,11 +61,12 @@ def tiny_rm(tiny_sft):
         return cfg, main(cfg, "rm")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def ray_session():
-    """One private Ray instance for the session's modules that run worker groups: each stage run starts its own
-    groups in it and removes them (and their placement groups) when it ends. Shared, not one per module: a
-    private instance takes 5-7 s to start and stop on a 2-core machine."""
+    """One private Ray instance for the integration tier's modules that run worker groups: each stage run starts
+    its own groups in it and removes them (and their placement groups) when it ends. Shared, not one per module: a
+    private instance takes 5-7 s to start and stop on a 2-core machine. Stopped with the tier's last test, so that
+    the unit tier does not run beside it idling."""
     import ray
 
     from alignflow.stages.common.workers import connect_ray
