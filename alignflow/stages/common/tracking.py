@@ -22,6 +22,7 @@ log = logging.getLogger(__name__)
 
 SYSTEM_METRICS_EVERY_S = 5
 DATA_CONTEXTS = {"data": "training", "eval_data": "evaluation"}
+DATASET_ATTEMPTS = 3
 
 
 class StageTracking:
@@ -63,10 +64,15 @@ class StageTracking:
 
         inputs = [DatasetInput(entity(*value), tags=[InputTag("mlflow.data.context", DATA_CONTEXTS.get(name.split(":")[0], name))])
                   for name, value in datasets.items()]
-        try:
-            self.client.log_inputs(self.run_id, datasets=inputs)
-        except Exception as exc:
-            log.warning("could not log the datasets of MLflow run %s: %s", self.run_id, exc)
+        for attempt in range(DATASET_ATTEMPTS):
+            try:
+                self.client.log_inputs(self.run_id, datasets=inputs)
+                return
+            except Exception as exc:
+                # MLflow's sqlite store looks a dataset up, then inserts it: of two jobs reading the same file at once
+                # (parallel branches), the later insert fails on the unique key. Asked again, it finds the row.
+                if attempt == DATASET_ATTEMPTS - 1:
+                    log.warning("could not log the datasets of MLflow run %s: %s", self.run_id, exc)
 
     def close(self) -> None:
         self.flush()
