@@ -100,6 +100,11 @@ def test_compare_graph_runs_branches_at_once_and_a_failed_branch_fails_only_itse
     reg = summary["registered_model"]  # sqlite tracking x local storage
     assert reg["promoted"] and reg["source"] == storage.join(stages["dpo"]["uri"], "model")
     assert summary["mlflow"]["tracking_uri"].startswith("sqlite:")
+    from mlflow import MlflowClient
+
+    tracked = MlflowClient(summary["mlflow"]["tracking_uri"])
+    for branch in branches:  # each branch's run has the data files it read (all three log the same ones at once)
+        assert {d.dataset.name for d in tracked.get_run(branch["mlflow_run_id"]).inputs.dataset_inputs} == {"train.jsonl", "eval.jsonl"}
     assert proc.stderr.count("starting a local Ray head") == 1  # the branches share it
     # Started as soon as the run knew a stage must run, beside Prefect's temporary server, not after it.
     assert proc.stderr.index("starting a local Ray head") < proc.stderr.index("Starting temporary server"), proc.stderr[-4000:]
@@ -129,8 +134,6 @@ def test_compare_graph_runs_branches_at_once_and_a_failed_branch_fails_only_itse
     assert "answered without Prefect" in again.stderr and "Starting temporary server" not in text, text[-4000:]
     cached = json.loads((tmp_path / "again.json").read_text())
     assert [(s["stage"], s["cached"]) for s in cached["stages"]] == [("sft", True), ("ipo", True)]
-    from mlflow import MlflowClient
-
     client = MlflowClient(cached["mlflow"]["tracking_uri"])
     parent = client.get_run(cached["mlflow"]["parent_run_id"])
     assert parent.info.status == "FINISHED" and parent.data.tags["alignflow.prefect"].startswith("no flow run")
