@@ -120,10 +120,26 @@ def test_killed_run_resumes_to_the_same_weights(tiny_sft, tmp_path, monkeypatch)
     resumed = main(cfg, "rl", None, {"from": sft["uri"]})
     assert resumed["resumed_from_step"] == 2
     a, b = weights(straight["uri"]), weights(resumed["uri"])
-    for name in a:
-        assert torch.equal(a[name], b[name]), name
+    differing = [name for name in a if not torch.equal(a[name], b[name])]
+    assert not differing, where_runs_part(straight["uri"], resumed["uri"], a, b, differing)
     key = lambda h: [(r["step"], r.get("reward/mean"), r.get("train/kl_coef")) for r in h]  # noqa: E731
     assert key(history(straight["uri"])) == key(history(resumed["uri"]))  # same samples, same adaptive β
+
+
+def where_runs_part(a_uri: str, b_uri: str, a: dict, b: dict, differing: list[str]) -> str:
+    """What a failure of exact resume needs to be traced: by how much the weights differ, the first step whose
+    metrics (not timings) differ, and whether the two runs' step-2 checkpoints already differed (then the runs
+    parted before the resume, in what any two runs of the same config should compute alike)."""
+    worst = max(float((a[n] - b[n]).abs().max()) for n in differing)
+    ha, hb = history(a_uri), history(b_uri)
+    timing = lambda k: k.endswith(("_s", "_per_s", "_mib"))  # noqa: E731
+    parted = next((f"step {ra['step']}: " + ", ".join(f"{k} {ra[k]!r} vs {rb.get(k)!r}" for k in ra if not timing(k) and ra[k] != rb.get(k))
+                   for ra, rb in zip(ha, hb) if any(not timing(k) and ra[k] != rb.get(k) for k in ra)), "no metric differs")
+    step2 = [torch.load(Path(u) / "checkpoints" / "actor" / "step_00000002" / "mp_rank_00_model_states.pt", weights_only=False)["module"]
+             for u in (a_uri, b_uri)]
+    before = [n for n in step2[0] if not torch.equal(step2[0][n], step2[1][n])]
+    return (f"{len(differing)} of {len(a)} weight tensors differ (first {differing[0]}, at most {worst:.3g}); metrics: {parted}; "
+            f"step-2 checkpoints: {f'{len(before)} tensors differ already' if before else 'equal (the runs parted after the resume)'}")
 
 
 def test_asynchronous_rollout_trains_one_step_behind_and_resumes_exactly(tiny_sft, tmp_path, monkeypatch):
