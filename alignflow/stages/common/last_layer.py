@@ -73,34 +73,23 @@ def head_at(model, head: torch.nn.Module, input_ids: torch.Tensor, attention_mas
         from alignflow.stages.common.pairs import token_scores
 
         return token_scores(model, head, input_ids, attention_mask, position_ids).flatten()[at]
-    inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
-    return head(final_hidden_at(model, body, head, inputs, at))[..., 0].float()
+    hidden, rotary = hidden_before_last_layer(model, body, head, input_ids, attention_mask, position_ids)
+    out = last_layer_at(body.layers[-1], hidden, rotary, attention_mask, at)
+    return head(body.norm(out))[..., 0].float()
 
 
-def final_hidden_at(model, body, head: torch.nn.Module, inputs: dict, at: torch.Tensor) -> torch.Tensor:
-    """(N, C) the body's output (after its final norm) at the flat positions `at` of the rows `inputs`, with the last
-    layer's queries, attention, MLP and norm computed only there. Only where `shortcut_applies(body)`."""
-    hidden, rotary, mask = last_layer_inputs(model, body, head, inputs)
-    return body.norm(last_layer_at(body.layers[-1], hidden, rotary, mask, at))
-
-
-def last_layer_inputs(model, body, head, inputs: dict) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """The last layer's input (R, T, C), the rotary (cos, sin) and the (R or 1, 1, T, T) attention mask the body gives
-    it (the causal mask where the model's own attention would have used none). The model's own forward runs (what a
-    DeepSpeed engine hangs on it still happens) with its last layer, final norm and head passed through."""
+def hidden_before_last_layer(model, body, head, input_ids, attention_mask, position_ids) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """The last layer's input (R, T, C) and the rotary (cos, sin) the body gives it. The model's own forward runs (what
+    a DeepSpeed engine hangs on it still happens) with its last layer, final norm and head passed through."""
     captured = {}
 
     def skip_layer(hidden_states, *args, **kwargs):
-        captured.update(hidden=hidden_states, rotary=kwargs["position_embeddings"], mask=kwargs.get("attention_mask"))
+        captured.update(hidden=hidden_states, rotary=kwargs["position_embeddings"])
         return hidden_states
 
     with replaced(body.layers[-1], skip_layer), replaced(body.norm, identity), replaced(head, identity):
-        model(**inputs, use_cache=False)
-    hidden, mask = captured["hidden"], captured["mask"]
-    if mask is None:  # plain causal rows: the model's attention runs with is_causal
-        T = hidden.shape[1]
-        mask = torch.ones(T, T, dtype=torch.bool, device=hidden.device).tril()[None, None]
-    return hidden, captured["rotary"], mask
+        model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+    return captured["hidden"], captured["rotary"]
 
 
 def last_layer_at(layer, hidden: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor,
@@ -110,7 +99,6 @@ def last_layer_at(layer, hidden: torch.Tensor, rotary: tuple[torch.Tensor, torch
     rotate_half = sys.modules[type(layer).__module__].rotate_half
     rope = lambda x, c, s: x * c + rotate_half(x) * s  # noqa: E731  (Su et al. 2021, as the layer's own apply_rotary_pos_emb)
     R, T, _ = hidden.shape
-    cos, sin = cos.expand(R, T, -1), sin.expand(R, T, -1)  # (1, T, D) where the rows share their position ids
     x = layer.input_layernorm(hidden)
     keys = rope(attention.k_proj(x).view(R, T, -1, attention.head_dim).transpose(1, 2), cos[:, None], sin[:, None])
     values = attention.v_proj(x).view(R, T, -1, attention.head_dim).transpose(1, 2)  # (R, Hkv, T, D)
@@ -118,7 +106,6 @@ def last_layer_at(layer, hidden: torch.Tensor, rotary: tuple[torch.Tensor, torch
     # and values as they are (a copy of them per read position, with its backward, cost 5% of an RM step on
     # builtin:tiny).
     slot, source = read_slots(at, R, T)
-    mask = mask.expand(R, 1, T, T)
     Q = source.numel() // R
     pick = lambda t: gather_rows(t, source)  # noqa: E731  (R x Q, ...) at the slots' positions
     queries = attention.q_proj(pick(x)).view(R, Q, -1, attention.head_dim).transpose(1, 2)

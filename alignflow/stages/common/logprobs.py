@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from alignflow.stages.common.last_layer import (decoder_body, deferred_last_mlp, final_hidden_at, finish_last_layer, identity,
-                                                llama_style, replaced, shortcut_applies, unwrapped)
+from alignflow.stages.common.last_layer import (decoder_body, deferred_last_mlp, finish_last_layer, identity, llama_style,
+                                                replaced, unwrapped)
 from alignflow.stages.common.lm_head import gather_rows, head_logprobs
 
 # Model types whose `...ForCausalLM` computes logits = lm_head(last hidden state): no soft-capping, scaling or bias tricks.
@@ -92,11 +92,9 @@ def logprobs_at(model: torch.nn.Module, inputs: dict[str, torch.Tensor | None], 
 
 
 def final_hidden_at_reads(model: torch.nn.Module, head: torch.nn.Module, inputs: dict, src: torch.Tensor) -> torch.Tensor:
-    """(N, H) the model's last hidden state at the flat positions `src`, with as little of the last layer as its kind
-    allows computed elsewhere (`last_layer`): only its keys and values, or only its attention."""
+    """(N, H) the model's last hidden state at the flat positions `src`: for a Llama-style last layer (`last_layer`),
+    its attention runs at every position and its MLP and the final norm only at `src`."""
     body = decoder_body(model)
-    if shortcut_applies(body):
-        return final_hidden_at(model, body, head, inputs, src)
     body = body if llama_style(body) else None
     with passing_through(head), deferred_last_mlp(body):
         hidden = gather_rows(model(**inputs, use_cache=False).logits, src)
