@@ -9,8 +9,7 @@ import torch
 
 from alignflow.stages.common import logprobs
 from alignflow.stages.common.data import TokenBatch
-from alignflow.stages.common.logprobs import (entropy_from_logits, forward_logprobs, live_positions, logprobs_at, plain_head,
-                                              token_logprobs)
+from alignflow.stages.common.logprobs import entropy_from_logits, forward_logprobs, logprobs_at, plain_head, token_logprobs
 
 
 def llama(vocab: int = 300):
@@ -60,39 +59,6 @@ def test_forward_logprobs_chunked_equals_the_models_logits_on_packed_rows(monkey
     assert got.keys() == want.keys() and "model.embed_tokens.weight" in got  # the tied head's gradient reaches the embedding
     for name in want:
         torch.testing.assert_close(got[name], want[name], msg=name, **FP32)
-
-
-def test_live_positions_end_at_each_blocks_last_read_position():
-    """By hand: row 0 holds two samples and a pad tail, row 1 one sample read in its middle only."""
-    pos = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 0, 1], [0, 1, 2, 3, 4, 5, 6, 7, 8]])
-    mask = torch.tensor([[0, 1, 1, 1, 0, 0, 1, 0, 0], [0, 0, 1, 1, 0, 0, 0, 0, 0]])  # 1: a token that is predicted
-    want = torch.tensor([[1, 1, 1, 0, 1, 1, 0, 0, 0],  # the EOS of each sample (read at nothing) and the pad go
-                         [1, 1, 1, 0, 0, 0, 0, 0, 0]]).bool()
-    assert torch.equal(live_positions(mask[:, 1:].ne(0), pos), want)
-
-
-def test_forward_logprobs_feeds_only_the_live_positions_and_reads_the_same_values():
-    """Packed rows lose each sample's final token; padded rows their last real token and padding, with the
-    attention mask. Values and gradients equal the full rows' forward."""
-    model, packed = llama(), packed_batch(300)
-    ids = torch.randint(0, 300, (2, 8), generator=torch.Generator().manual_seed(3))
-    attention = torch.tensor([[1] * 8, [1] * 5 + [0] * 3])
-    mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1], [0, 1, 1, 1, 1, 0, 0, 0]]).double()
-    padded = TokenBatch(ids, torch.arange(8).repeat(2, 1), mask, attention, 13)
-    fed = []
-    model.model.embed_tokens.register_forward_hook(lambda module, args, output: fed.append(tuple(args[0].shape)))
-    for batch, width, full_inputs in ((packed, 10, {"position_ids": packed.position_ids}), (padded, 7, {"attention_mask": attention})):
-        weights = torch.randn(2, batch.input_ids.shape[1] - 1)
-        got = forward_logprobs(model, batch)
-        assert fed[-1] == (2, width)
-        by_hand = token_logprobs(model(input_ids=batch.input_ids, use_cache=False, **full_inputs).logits, batch.input_ids)
-        keep = batch.loss_mask[:, 1:].bool()
-        torch.testing.assert_close(got[keep], by_hand[keep], **FP32)
-        assert got[~keep].eq(0).all()
-        want_grads = grads(model, (by_hand * keep * weights).sum())
-        got_grads = grads(model, (got * weights).sum())
-        for name in want_grads:
-            torch.testing.assert_close(got_grads[name], want_grads[name], msg=name, **FP32)
 
 
 def test_tempered_logprobs_and_entropy_at_sourced_positions(monkeypatch):
@@ -153,7 +119,7 @@ def test_the_models_own_forward_runs_with_the_head_passing_the_hidden_state_thro
     calls = []
     model.register_forward_hook(lambda module, args, output: calls.append(output.logits.shape))
     forward_logprobs(model, batch)
-    assert calls == [(2, 10, 32)]  # the hidden size: the head let the last hidden state through (at the live positions)
+    assert calls == [(2, 12, 32)]  # the hidden size: the head let the last hidden state through
     assert "forward" not in vars(model.lm_head)  # and is itself again
     model.register_forward_hook(lambda *a: 1 / 0)
     with pytest.raises(ZeroDivisionError):

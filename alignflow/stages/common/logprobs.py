@@ -81,7 +81,12 @@ def logprobs_at(model: torch.nn.Module, inputs: dict[str, torch.Tensor | None], 
         src, tgt = src[kept], tgt[kept]
     head = plain_head(model)
     if head is not None:
-        hidden = final_hidden_at_reads(model, head, inputs, src)
+        body = decoder_body(model)
+        body = body if llama_style(body) else None  # the last layer's MLP only at the positions read
+        with passing_through(head), deferred_last_mlp(body):
+            hidden = gather_rows(model(**inputs, use_cache=False).logits, src)
+        if body is not None:
+            hidden = finish_last_layer(body, hidden)
         rows = max(1, LOGITS_PER_CHUNK // head.weight.shape[0])
         logp, entropy = head_logprobs(hidden, head.weight, head.bias, tgt, temperature, rows, with_entropy)
     else:
@@ -89,16 +94,6 @@ def logprobs_at(model: torch.nn.Module, inputs: dict[str, torch.Tensor | None], 
         logp = -F.cross_entropy(picked, tgt, reduction="none")
         entropy = entropy_from_logits(picked) if with_entropy else None
     return _spread(logp.float(), kept, source), None if entropy is None else _spread(entropy.float(), kept, source)
-
-
-def final_hidden_at_reads(model: torch.nn.Module, head: torch.nn.Module, inputs: dict, src: torch.Tensor) -> torch.Tensor:
-    """(N, H) the model's last hidden state at the flat positions `src`: for a Llama-style last layer (`last_layer`),
-    its attention runs at every position and its MLP and the final norm only at `src`."""
-    body = decoder_body(model)
-    body = body if llama_style(body) else None
-    with passing_through(head), deferred_last_mlp(body):
-        hidden = gather_rows(model(**inputs, use_cache=False).logits, src)
-    return hidden if body is None else finish_last_layer(body, hidden)
 
 
 def _spread(values: torch.Tensor, kept: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
@@ -109,39 +104,8 @@ def _spread(values: torch.Tensor, kept: torch.Tensor | None, like: torch.Tensor)
 
 def forward_logprobs(model: torch.nn.Module, batch) -> torch.Tensor:
     """(B, T-1) log-probs of a `TokenBatch`'s next tokens under a causal LM (or a DeepSpeed engine around one), at
-    its loss-mask positions (token t+1 is predicted at t); 0 elsewhere. The model is fed only the positions a read
-    depends on (`live_rows`)."""
-    read = batch.loss_mask[:, 1:].ne(0)
-    inputs, at = live_rows(batch, read)
-    return logprobs_at(model, inputs, at, batch.input_ids[:, 1:], keep=read)[0]
-
-
-def live_positions(read: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-    """(B, T) bool: each block's positions up to its last read one, where `read` (B, T-1) marks the positions whose
-    next-token prediction is read. A block begins where the position ids restart at 0 (a packed sample, a pad
-    tail); a causal model's output at a block's position depends only on that block's earlier positions, so the
-    rest (an SFT sample's final EOS, the padding) changes no value read."""
-    B, T = position_ids.shape
-    block = position_ids.eq(0).long().cumsum(1)  # (B, T): the block's number within its row
-    index = torch.arange(T, device=position_ids.device).expand(B, T)
-    read_index = torch.where(F.pad(read, (0, 1)), index, -1)
-    last = torch.full((B, T + 1), -1, device=position_ids.device).scatter_reduce(1, block, read_index, "amax")
-    return index <= last.gather(1, block)
-
-
-def live_rows(batch, read: torch.Tensor) -> tuple[dict[str, torch.Tensor | None], torch.Tensor]:
-    """The batch's rows with only their `live_positions`, left-aligned (a row's new tail is a block of its own, or
-    masked out where the rows have an attention mask), as the model's inputs; and (B, T-1) the flat position in them
-    each next-token prediction is read at. On SFT's short samples the dropped EOS is one token in 15: that much less
-    of every forward and backward."""
-    ids, pos = batch.input_ids, batch.position_ids
-    live = live_positions(read, pos)
-    width = max(1, int(live.sum(1).max()))
-    order = torch.argsort((~live).to(torch.uint8), dim=1, stable=True)[:, :width]  # the live positions first, in order
-    kept = live.gather(1, order)
-    count = kept.sum(1, keepdim=True)
-    slot = torch.arange(width, device=ids.device).expand_as(order)
-    inputs = {"input_ids": ids.gather(1, order), "position_ids": torch.where(kept, pos.gather(1, order), slot - count),
-              "attention_mask": None if batch.attention_mask is None else batch.attention_mask.gather(1, order) * kept}
-    moved = (live.long().cumsum(1) - 1).clamp(min=0)[:, :-1]  # where each read position went in its row
-    return inputs, torch.arange(ids.shape[0], device=ids.device)[:, None] * width + moved
+    its loss-mask positions (token t+1 is predicted at t); 0 elsewhere."""
+    rows, width = batch.input_ids.shape
+    at = torch.arange(rows, device=batch.input_ids.device)[:, None] * width + torch.arange(width - 1, device=batch.input_ids.device)
+    inputs = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask, "position_ids": batch.position_ids}
+    return logprobs_at(model, inputs, at, batch.input_ids[:, 1:], keep=batch.loss_mask[:, 1:].ne(0))[0]
