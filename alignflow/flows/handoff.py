@@ -14,6 +14,16 @@ from alignflow.infra.tracking import LINEAGE_TAG, Tracker
 from alignflow.tasks.results import StageResult
 
 CANDIDATE = "candidate"
+# A value this close to the bar (relative to the bar, at least 1) meets it. The bar is a sum, and the metrics are
+# rates and means rounded to float64 or float32: 0.40 + 0.07 > 0.47 in float64, and float32's 0.45 falls short of
+# float32's 0.40 + 0.05, so a model that gained exactly the margin asked for would be refused by rounding alone.
+BAR_TOLERANCE = 1e-6
+
+
+def meets(value: float, bar: float, lower_is_better: bool) -> bool:
+    """`value` >= `bar` (<= for lower-is-better metrics), up to rounding (BAR_TOLERANCE)."""
+    slack = BAR_TOLERANCE * max(1.0, abs(bar))
+    return value <= bar + slack if lower_is_better else value >= bar - slack
 
 
 def gate_decision(gate: GateConfig, table: dict[str, dict[str, float]], stage: str) -> tuple[bool, str]:
@@ -21,7 +31,7 @@ def gate_decision(gate: GateConfig, table: dict[str, dict[str, float]], stage: s
     value = table.get(stage, {}).get(gate.metric)
     if value is None:
         return False, f"eval stage {gate.eval!r} has no {gate.metric} for {stage!r}"
-    better = (lambda a, b: a <= b) if gate.lower_is_better else (lambda a, b: a >= b)
+    better = lambda a, b: meets(a, b, gate.lower_is_better)  # noqa: E731
     sign = -1 if gate.lower_is_better else 1
     reasons = []
     if gate.min is not None and not better(value, gate.min):

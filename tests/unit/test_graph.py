@@ -162,6 +162,31 @@ def test_gate_rule():
     assert not passed and "has no eval/reward for 'grpo'" in why
 
 
+def test_gate_counts_a_gain_of_exactly_the_margin_as_met():
+    """Rates of 200 episodes: 0.40 + 0.07 > 0.47 in float64, and float32's 0.45 < float32's 0.40 + 0.05. A gain of
+    exactly the margin passes in either; one episode less does not; the same for floors and lower-is-better."""
+    import numpy as np
+
+    from alignflow.flows.handoff import gate_decision
+
+    f32 = lambda x: float(np.float32(x))  # noqa: E731
+    assert 0.47 < 0.40 + 0.07 and f32(0.45) < f32(0.40) + 0.05  # what a plain comparison would refuse
+    for cast in (float, f32):
+        for gain, episodes in ((0.07, 14), (0.05, 10), (0.10, 20)):
+            rate = lambda right: cast(right / 200)  # noqa: E731  (the eval stage's mean of 0/1 verdicts)
+            table = {"sft": {"eval/accuracy": rate(80)}, "grpo": {"eval/accuracy": rate(80 + episodes)},
+                     "short": {"eval/accuracy": rate(80 + episodes - 1)}}
+            rule = GateConfig(eval="eval", baseline="sft", min_gain=gain)
+            assert gate_decision(rule, table, "grpo")[0], (cast, gain)
+            assert not gate_decision(rule, table, "short")[0], (cast, gain)
+        floor = {"m": {"eval/accuracy": cast(0.7), "eval/nll": cast(1.3)}, "n": {"eval/accuracy": cast(0.695), "eval/nll": cast(1.2)}}
+        assert gate_decision(GateConfig(eval="eval", min=0.7), floor, "m")[0]
+        assert not gate_decision(GateConfig(eval="eval", min=0.7), floor, "n")[0]
+        # lower is better: n's 1.2 is exactly m's 1.3 - 0.1
+        assert gate_decision(GateConfig(eval="eval", metric="eval/nll", baseline="m", min_gain=0.1, lower_is_better=True), floor, "n")[0]
+        assert not gate_decision(GateConfig(eval="eval", metric="eval/nll", baseline="m", min_gain=0.1001, lower_is_better=True), floor, "n")[0]
+
+
 def test_prefect_yaml_deploys_every_shipped_graph_by_path():
     import yaml
 
