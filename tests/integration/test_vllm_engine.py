@@ -17,7 +17,7 @@ from alignflow.config import load_config
 from alignflow.stages.common.generation import SamplingParams
 from alignflow.stages.common.models import load_causal_lm, load_tokenizer
 
-from .conftest import QUIET, ROOT, history
+from .conftest import QUIET, ROOT, episodes_gained, history
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 pytestmark = [pytest.mark.integration,
@@ -139,7 +139,7 @@ def test_grpo_on_vllm_learns_like_hf_and_keeps_engine_and_trainer_in_step(tiny_s
     assert mismatch < LOGPROB_ATOL
     # vLLM draws other samples than HF (its own RNG), so the curves agree within noise, not exactly:
     # HF gains 0.115 here (0.420 -> 0.535), vLLM 0.10 (0.420 -> 0.520); both training rewards rise ~0.14.
-    assert m["eval/reward"] >= m["eval/reward_initial"] + 0.08 and last >= first + 0.08
+    assert episodes_gained(m["eval/reward"], m["eval/reward_initial"]) >= 16 and last >= first + 0.08
 
 
 def test_lora_grpo_on_vllm_learns_with_the_reference_as_the_adapter_off(tiny_sft, ray_session, tmp_path, capsys):
@@ -161,7 +161,7 @@ def test_lora_grpo_on_vllm_learns_with_the_reference_as_the_adapter_off(tiny_sft
     assert "rl: worker groups actor x1, rollout x1" in out  # no reference worker
     assert steps[0]["train/kl"] == 0 and steps[-1]["train/kl"] > 0  # the adapter-off reference: 0 until the adapter moves
     assert mismatch < LOGPROB_ATOL
-    assert m["eval/reward"] >= m["eval/reward_initial"] + 0.08 and last >= first + 0.08  # the full vLLM run's marks
+    assert episodes_gained(m["eval/reward"], m["eval/reward_initial"]) >= 16 and last >= first + 0.08  # the full vLLM run's marks
     assert m["params/trainable"] < m["params/total"] / 5
     assert (Path(result["uri"]) / "adapter" / "adapter_model.safetensors").is_file()
 
