@@ -26,6 +26,16 @@ def test_best_vs_worst_pairs_the_extremes_above_the_margin():
     assert len(best_vs_worst(group(0.0, 0.6), min_margin=0.5)) == 1
 
 
+def test_a_gap_equal_to_the_margin_does_not_exceed_it_whatever_its_rounding():
+    """0.8 - 0.6 > 0.2 and 0.7 - 0.5 < 0.2 in float64: both gaps are the margin, and neither pair is kept."""
+    assert 0.8 - 0.6 > 0.2 > 0.7 - 0.5  # what a plain comparison would decide
+    for low, high in ((0.6, 0.8), (0.5, 0.7), (0.7, 0.9), (0.1, 0.3)):
+        assert best_vs_worst(group(low, high), min_margin=0.2) == [], (low, high)
+        assert all_pairs(group(low, high), min_margin=0.2) == [], (low, high)
+    assert len(best_vs_worst(group(0.6, 0.801), min_margin=0.2)) == 1
+    assert len(best_vs_worst(group(0.6, 0.6 + 1e-9))) == 1  # with no margin any difference counts
+
+
 def test_best_vs_worst_leaves_out_a_pair_of_one_text_unless_asked():
     same = group(1.0, 0.0)
     same[1]["completion"] = "c0"

@@ -45,9 +45,16 @@ def pair(chosen: Row, rejected: Row) -> Row:
             **extra(chosen)}
 
 
+def within_margin(gap: float, min_margin: float) -> bool:
+    """The gap does not exceed the margin, up to rounding: scores such as 0.8 and 0.6 differ by 0.20000000000000007 and
+    0.7 and 0.5 by 0.19999999999999996, so a gap equal to the margin is one within a millionth of it (0: any gap
+    at all exceeds it)."""
+    return gap <= min_margin * (1 + 1e-6)
+
+
 def best_vs_worst(group: list[Row], min_margin: float = 0.0, dedupe: bool = True) -> list[Row]:
     best, worst = ranked(group)[0], min(group, key=lambda r: r["score"])  # min: the earliest of equal worst
-    if best["score"] - worst["score"] <= min_margin or (dedupe and best["completion"] == worst["completion"]):
+    if within_margin(best["score"] - worst["score"], min_margin) or (dedupe and best["completion"] == worst["completion"]):
         return []
     return [pair(best, worst)]
 
@@ -57,7 +64,7 @@ def all_pairs(group: list[Row], min_margin: float = 0.0, dedupe: bool = True) ->
     for i in range(len(group)):
         for j in range(i + 1, len(group)):
             a, b = group[i], group[j]
-            if abs(a["score"] - b["score"]) <= min_margin or (dedupe and a["completion"] == b["completion"]):
+            if within_margin(abs(a["score"] - b["score"]), min_margin) or (dedupe and a["completion"] == b["completion"]):
                 continue
             out.append(pair(a, b) if a["score"] > b["score"] else pair(b, a))
     return out
