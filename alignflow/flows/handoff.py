@@ -11,19 +11,17 @@ from typing import Any
 from alignflow.config import GateConfig, PipelineConfig, stable_hash
 from alignflow.infra import storage
 from alignflow.infra.tracking import LINEAGE_TAG, Tracker
+from alignflow.rounding import at_most
 from alignflow.tasks.results import StageResult
 
 CANDIDATE = "candidate"
-# A value this close to the bar (relative to the bar, at least 1) meets it. The bar is a sum, and the metrics are
-# rates and means rounded to float64 or float32: 0.40 + 0.07 > 0.47 in float64, and float32's 0.45 falls short of
-# float32's 0.40 + 0.05, so a model that gained exactly the margin asked for would be refused by rounding alone.
-BAR_TOLERANCE = 1e-6
 
 
 def meets(value: float, bar: float, lower_is_better: bool) -> bool:
-    """`value` >= `bar` (<= for lower-is-better metrics), up to rounding (BAR_TOLERANCE)."""
-    slack = BAR_TOLERANCE * max(1.0, abs(bar))
-    return value <= bar + slack if lower_is_better else value >= bar - slack
+    """`value` >= `bar` (<= for lower-is-better metrics), up to rounding. The slack scales with the bar, at least 1,
+    so a floor of 0 gets one too: the bar is a sum of rounded rates (`alignflow.rounding`)."""
+    scale = max(1.0, abs(bar))
+    return at_most(value, bar, scale) if lower_is_better else at_most(bar, value, scale)
 
 
 def gate_decision(gate: GateConfig, table: dict[str, dict[str, float]], stage: str) -> tuple[bool, str]:

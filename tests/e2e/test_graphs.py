@@ -5,6 +5,7 @@ Ray head with local storage and sqlite tracking."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import subprocess
@@ -14,13 +15,15 @@ import pytest
 
 from alignflow.infra import storage
 
+from ..heldout import episodes_gained
 from .conftest import ROOT, alignflow
 from .test_pipeline import FAST as FAST_SFT
 
 LATER = ["--set", "dpo.batch.max_steps=8", "--set", "dpo.logging.eval_every=4"]
 RL_FAST = ["--set", "grpo.batch.max_steps=3", "--set", "grpo.logging.eval_every=3", "--set", "grpo.checkpoint.every_steps=2",
            "--set", "grpo.generation.engine=vllm"]
-EVAL_FAST = ["--set", "defaults.eval.prompts.max_samples=64", "--set", "defaults.eval.pairs.max_samples=64",
+EVAL_PROMPTS = 64  # held-out prompts each model is evaluated on: its accuracy is a share of these
+EVAL_FAST = ["--set", f"defaults.eval.prompts.max_samples={EVAL_PROMPTS}", "--set", "defaults.eval.pairs.max_samples=64",
              "--set", "defaults.eval.nll.max_samples=64"]
 ROOT_S3 = "s3://alignflow-test/e2e"  # one SFT for every graph of the session: same settings, same key, one job
 
@@ -54,10 +57,12 @@ def test_tulu3_graph_runs_evaluates_and_gates(services, tmp_path):
         assert storage.exists(storage.join(stages["eval"]["uri"], name)), name
     assert "| sft |" in output.replace("│", "|") or "sft" in output  # the eval table is printed
 
-    # The gate: promoted iff GRPO's accuracy >= SFT's + 0.05, i.e. 10 more of the 200 held-out prompts right (whole
-    # episodes: a plain float comparison decides the exact margin by rounding); either way a version exists, tagged with why.
+    # The gate: promoted iff GRPO's accuracy >= SFT's + 0.05, i.e. at least 4 more of the 64 held-out prompts right
+    # (counted in whole episodes: a plain float comparison decides an exact margin by rounding); either way a version
+    # exists, tagged with why.
     reg = first["registered_model"]
-    should_pass = round((table["grpo"]["eval/accuracy"] - table["sft"]["eval/accuracy"]) * 200) >= 10
+    gained = episodes_gained(table["grpo"]["eval/accuracy"], table["sft"]["eval/accuracy"], episodes=EVAL_PROMPTS)
+    should_pass = gained >= math.ceil(0.05 * EVAL_PROMPTS)
     assert reg["promoted"] == should_pass and first["promoted"] == should_pass
     version = client.get_model_version("e2e-tulu3-grpo", reg["version"])
     assert version.tags["alignflow.gate"] == ("passed" if should_pass else "rejected")

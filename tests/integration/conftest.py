@@ -78,17 +78,6 @@ def ray_session():
     assert not left, f"placement groups that a stage run did not remove: {left}"
 
 
-HELD_OUT_EPISODES = 200  # data/rl/eval.jsonl's prompts: an RL stage's greedy held-out episodes, each right or not
-
-
-def episodes_gained(after: float, before: float, episodes: int = HELD_OUT_EPISODES) -> int:
-    """after - before in whole held-out episodes. The rates arrive rounded (float32, float64 sums: 0.40 + 0.07 > 0.47),
-    so comparing them plainly with a rate bar decides a gain of exactly the bar by rounding."""
-    for rate in (after, before):
-        assert abs(rate * episodes - round(rate * episodes)) < 1e-3, f"{rate} is not a share of {episodes} episodes"
-    return round((after - before) * episodes)
-
-
 def history(stage_uri: str) -> list[dict]:
     """The per-step records of a published stage's metrics.json."""
     import json

@@ -11,7 +11,8 @@ import torch
 from alignflow.config import load_config
 from alignflow.stages.rl.stage import main
 
-from .conftest import HELD_OUT_EPISODES, QUIET, ROOT, episodes_gained, history
+from ..heldout import HELD_OUT_EPISODES, episodes_gained
+from .conftest import QUIET, ROOT, history
 
 pytestmark = pytest.mark.usefixtures("ray_session")  # the session's private Ray
 

@@ -16,7 +16,8 @@ from alignflow.stages.common.run import FAIL_AT_STEP_ENV, InjectedFailure
 from alignflow.stages.rl.rewards import RewardError
 from alignflow.stages.rl.stage import main
 
-from .conftest import QUIET, ROOT, episodes_gained, history, weights
+from ..heldout import episodes_gained
+from .conftest import QUIET, ROOT, history, weights
 
 pytestmark = pytest.mark.usefixtures("ray_session")  # the session's private Ray
 

@@ -17,7 +17,8 @@ from alignflow.config import load_config
 from alignflow.stages.common.generation import SamplingParams
 from alignflow.stages.common.models import load_causal_lm, load_tokenizer
 
-from .conftest import QUIET, ROOT, episodes_gained, history
+from ..heldout import episodes_gained
+from .conftest import QUIET, ROOT, history
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 pytestmark = [pytest.mark.integration,

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from alignflow.rounding import at_most
 from alignflow.stages.common.datasets import GENERATED_COLUMNS, SCORE_COLUMNS
 
 Row = dict[str, Any]
@@ -46,10 +47,9 @@ def pair(chosen: Row, rejected: Row) -> Row:
 
 
 def within_margin(gap: float, min_margin: float) -> bool:
-    """The gap does not exceed the margin, up to rounding: scores such as 0.8 and 0.6 differ by 0.20000000000000007 and
-    0.7 and 0.5 by 0.19999999999999996, so a gap equal to the margin is one within a millionth of it (0: any gap
-    at all exceeds it)."""
-    return gap <= min_margin * (1 + 1e-6)
+    """The gap does not exceed the margin, up to rounding (`alignflow.rounding`): 0.8 - 0.6 and 0.7 - 0.5 both equal
+    0.2. The slack scales with the margin, so the default margin 0 still keeps any difference at all."""
+    return at_most(gap, min_margin, min_margin)
 
 
 def best_vs_worst(group: list[Row], min_margin: float = 0.0, dedupe: bool = True) -> list[Row]:
